@@ -1,0 +1,97 @@
+"""Hardware specs as data: one table, each entry citing its datasheet.
+
+`memory_bytes` is the device memory that `nvidia-smi` reports as total (MiB x 2^20),
+the honest figure for capacity planning; `nominal_memory_gb` is the marketing figure
+("80GB") that back-of-envelope arithmetic reads as 10^9 bytes. Bandwidth is the
+datasheet's peak HBM bandwidth in bytes/s, and `peak_flops` the dense (no sparsity)
+fp16/bf16 tensor-core peak in FLOP/s. Efficiency factors (the fraction of peak a
+well-tuned kernel reaches) are used by the simulated executor; they are templates,
+to be re-decided from measurements, not truths.
+"""
+
+import dataclasses
+
+_MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class HardwareSpec:
+  """One device. Units: bytes, bytes/s, FLOP/s."""
+
+  name: str
+  memory_bytes: int
+  nominal_memory_gb: float
+  hbm_bandwidth: float
+  peak_flops: float
+  source: str
+  compute_efficiency: float = 0.6
+  bandwidth_efficiency: float = 0.8
+  efficiency_source: str = (
+      "templates: ~60% of dense tensor-core peak for large GEMMs and ~80% of peak HBM "
+      "bandwidth for streaming kernels are typical measured fractions; re-measure."
+  )
+
+
+HARDWARE: dict[str, HardwareSpec] = {
+    spec.name: spec
+    for spec in (
+        HardwareSpec(
+            name="a100_40gb",
+            memory_bytes=40_960 * _MIB,
+            nominal_memory_gb=40,
+            hbm_bandwidth=1_555e9,
+            peak_flops=312e12,
+            source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB: 1,555 GB/s HBM2, "
+            "312 TFLOPS dense FP16/BF16); nvidia-smi total 40,960 MiB",
+        ),
+        HardwareSpec(
+            name="a100_80gb",
+            memory_bytes=81_920 * _MIB,
+            nominal_memory_gb=80,
+            hbm_bandwidth=2_039e9,
+            peak_flops=312e12,
+            source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: 2,039 GB/s HBM2e, "
+            "312 TFLOPS dense FP16/BF16); nvidia-smi total 81,920 MiB",
+        ),
+        HardwareSpec(
+            name="h100_80gb",
+            memory_bytes=81_559 * _MIB,
+            nominal_memory_gb=80,
+            hbm_bandwidth=3_350e9,
+            peak_flops=989.4e12,
+            source="NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB: 3.35 TB/s HBM3, "
+            "1,979 TFLOPS FP16/BF16 with sparsity = 989.4 dense); nvidia-smi total 81,559 MiB",
+        ),
+        HardwareSpec(
+            name="h200_141gb",
+            memory_bytes=143_771 * _MIB,
+            nominal_memory_gb=141,
+            hbm_bandwidth=4_800e9,
+            peak_flops=989.4e12,
+            source="NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB: 4.8 TB/s HBM3e, "
+            "1,979 TFLOPS FP16/BF16 with sparsity = 989.4 dense); nvidia-smi total 143,771 MiB",
+        ),
+        HardwareSpec(
+            name="cpu",
+            memory_bytes=24 * 2**30,
+            nominal_memory_gb=24,
+            hbm_bandwidth=41e9,
+            peak_flops=0.3e12,
+            source="this project's 2-core AVX-512 dev machine (shared/JAX-NOTES.md): 24 GiB, "
+            "~41 GB/s measured for a 1 GiB numpy copy; peak FLOP/s is an estimate "
+            "(2 cores x 2 FMA x 16 fp32 lanes x 2 x ~2.5 GHz)",
+            compute_efficiency=0.3,
+            bandwidth_efficiency=0.7,
+        ),
+    )
+}
+
+
+def get_hardware(name: str) -> HardwareSpec:
+  """Returns the spec called `name`, or raises ValueError naming the valid choices."""
+  try:
+    return HARDWARE[name]
+  except KeyError:
+    raise ValueError(
+        f"unknown hardware {name!r}; choose one of: {', '.join(sorted(HARDWARE))}"
+    ) from None

@@ -1,0 +1,51 @@
+"""Model dimensions: one table, each entry citing where its numbers come from.
+
+Config files (`llama_13b.py`, `llama3_8b.py`, `tiny.py`) read from here; so do tests.
+"""
+
+MODEL_TABLE: dict[str, dict] = {
+    "llama2_13b": dict(
+        num_layers=40,
+        num_heads=40,
+        num_kv_heads=40,
+        head_dim=128,
+        d_model=5120,
+        ffn_dim=13824,
+        vocab_size=32000,
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        max_seq_len=4096,
+        source="Touvron et al. 2023, 'Llama 2' (Table 1/A.2) and the released config.json: "
+        "40 layers, 40 heads, d_model 5120, FFN 13824, vocab 32000, context 4096",
+    ),
+    "llama3_8b": dict(
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        d_model=4096,
+        ffn_dim=14336,
+        vocab_size=128256,
+        tie_embeddings=False,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        max_seq_len=8192,
+        source="Meta Llama 3 model card and released config.json (8B): 32 layers, 32 heads, "
+        "8 KV heads (GQA), d_model 4096, FFN 14336, vocab 128256, rope_theta 5e5",
+    ),
+    "tiny": dict(
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        d_model=256,
+        ffn_dim=512,
+        vocab_size=512,
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        max_seq_len=2048,
+        source="kvpage's own toy model: a few milliseconds per step on a laptop CPU",
+    ),
+}

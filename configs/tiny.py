@@ -1,0 +1,14 @@
+"""A toy Llama (4 layers, d_model 256, GQA 4:2) that steps in milliseconds on a laptop CPU.
+
+Usage: `--config=configs/tiny.py` (fp32) or `--config=configs/tiny.py:bf16`.
+"""
+
+import ml_collections
+
+from configs import base
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  config = base.build("tiny", "fp32", arg, hardware="cpu")
+  config.cache.num_pages = 256
+  return config

@@ -1,0 +1,139 @@
+r"""Capacity report: how many requests of a given length fit on a device.
+
+  python -m experiments.capacity --config=configs/llama_13b.py --hardware=a100_80gb
+
+It prints the same calculation under two sets of premises side by side, so a reader
+sees how premises move the figure:
+  * `nominal`: the back-of-envelope — the card's marketed size read as 10^9 bytes
+    ("80 GB" = 80e9) and the weights rounded to whole decimal GB;
+  * `exact`: the memory the driver reports (binary units, 80 GiB) and the weights
+    computed from the model's exact parameter count.
+`--memory_gb`, `--weights_gb` and `--reserve_gb` add a `given` column (units per
+`--units`: `gb` = 10^9 bytes, `gib` = 2^30 bytes) that `--json` reports as primary.
+"""
+
+import dataclasses
+import json
+
+from absl import flags
+from ml_collections import config_flags
+
+from configs import hardware as hardware_lib
+from experiments import cli
+from kvpage import capacity
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/llama_13b.py", "Model config file (`path.py` or `path.py:variant`).")
+_HARDWARE = flags.DEFINE_string(
+    "hardware", None, f"Device; one of {sorted(hardware_lib.HARDWARE)}. Default: the config's.")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per fully-grown request.")
+_DTYPE = flags.DEFINE_string("dtype", None, "Weight and KV dtype. Default: the config's.")
+_KV_DTYPE = flags.DEFINE_string("kv_dtype", None, "KV-cache dtype if it differs from --dtype.")
+_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
+_MEMORY_GB = flags.DEFINE_float("memory_gb", None, "Override device memory (see --units).")
+_WEIGHTS_GB = flags.DEFINE_float("weights_gb", None, "Override weight bytes (see --units).")
+_RESERVE_GB = flags.DEFINE_float(
+    "reserve_gb", 0.0, "Memory kept for activations/workspace (see --units).")
+_UNITS = flags.DEFINE_string("units", "gb", "`gb` = 10^9 bytes or `gib` = 2^30 bytes.")
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
+
+UNIT_BYTES = {"gb": 10**9, "gib": 2**30}
+
+
+def _to_bytes(value: float | None, unit: str) -> int | None:
+  if value is None:
+    return None
+  if value < 0:
+    raise ValueError(f"sizes must be >= 0, got {value} {unit}")
+  return round(value * UNIT_BYTES[unit])
+
+
+def build_plans(config, hardware: hardware_lib.HardwareSpec, *, seq_len: int, dtype: str,
+                kv_dtype: str, block_size: int, unit: str, memory_gb: float | None,
+                weights_gb: float | None, reserve_gb: float) -> dict[str, capacity.CapacityPlan]:
+  """The `nominal`, `exact` and (with overrides) `given` plans, keyed by name."""
+  model = capacity.ModelShape.from_config(config.model)
+  reserve = _to_bytes(reserve_gb, unit)
+  exact_weights = capacity.weight_bytes(model, dtype)
+  common = dict(seq_len=seq_len, weight_dtype=dtype, kv_dtype=kv_dtype, block_size=block_size,
+                reserve_bytes=reserve)
+  plans = {
+      "nominal": capacity.plan(
+          model, memory_bytes=round(hardware.nominal_memory_gb * 10**9),
+          weight_bytes_override=round(exact_weights / 10**9) * 10**9, **common),
+      "exact": capacity.plan(model, memory_bytes=hardware.memory_bytes, **common),
+  }
+  if memory_gb is not None or weights_gb is not None:
+    plans["given"] = capacity.plan(
+        model, memory_bytes=_to_bytes(memory_gb, unit) or hardware.memory_bytes,
+        weight_bytes_override=_to_bytes(weights_gb, unit), **common)
+  return plans
+
+
+def _row(label: str, values: list[str]) -> str:
+  return f"  {label:<34}" + "".join(f"{v:>24}" for v in values)
+
+
+def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
+                  hardware: hardware_lib.HardwareSpec, unit: str) -> str:
+  """A table: premises first, then one column per plan."""
+  first = next(iter(plans.values()))
+  scale, unit_label = UNIT_BYTES[unit], {"gb": "GB = 10^9 bytes", "gib": "GiB = 2^30 bytes"}[unit]
+  lines = [
+      "kvpage capacity report",
+      f"  model        {model_name} ({first.weight_dtype} weights, {first.kv_dtype} KV cache)",
+      f"  sequence     {first.seq_len:,} tokens per fully-grown request",
+      f"  block size   {first.block_size} tokens per KV page",
+      f"  hardware     {hardware.name}: {hardware.source}",
+      f"  units        {unit_label}; byte counts are exact",
+      "  premises     nominal = marketed size read as 10^9 bytes, weights rounded to whole GB;",
+      "               exact = driver-reported memory, weights from the exact parameter count",
+      "",
+      _row("", list(plans)),
+  ]
+
+  def gb(value: int) -> str:
+    return f"{value / scale:,.2f} {'GB' if unit == 'gb' else 'GiB'}"
+
+  rows = [
+      ("device memory", lambda p: f"{gb(p.memory_bytes)} = {p.memory_bytes / 2**30:,.2f} GiB"),
+      ("weights", lambda p: gb(p.weight_bytes)),
+      ("reserve (activations/workspace)", lambda p: gb(p.reserve_bytes)),
+      ("KV pool", lambda p: gb(p.kv_pool_bytes)),
+      ("KV bytes per token", lambda p: f"{p.kv_bytes_per_token:,}"),
+      ("KV bytes per request", lambda p: f"{p.kv_bytes_per_request:,}"),
+      ("pages in pool", lambda p: f"{p.pool_pages:,}"),
+      ("tokens in pool", lambda p: f"{p.pool_tokens:,}"),
+      ("pages per request", lambda p: f"{p.pages_per_request:,}"),
+      ("block-rounding waste per request", lambda p: f"{p.block_waste_tokens} tok "
+       f"({p.block_waste_fraction:.1%})"),
+      ("MAX CONCURRENT REQUESTS", lambda p: f"{p.max_concurrent_requests:,}"),
+  ]
+  lines += [_row(label, [fn(p) for p in plans.values()]) for label, fn in rows]
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  config = cli.load_config(_CONFIG)
+  if _UNITS.value not in UNIT_BYTES:
+    raise ValueError(f"unknown --units {_UNITS.value!r}; choose one of: gb, gib")
+  hardware = hardware_lib.get_hardware(_HARDWARE.value or config.hardware)
+  dtype = capacity.canonical_dtype(_DTYPE.value or config.model.dtype)
+  kv_dtype = capacity.canonical_dtype(_KV_DTYPE.value or _DTYPE.value or config.cache.kv_dtype)
+  plans = build_plans(config, hardware, seq_len=_SEQ_LEN.value, dtype=dtype,
+                      kv_dtype=kv_dtype, block_size=_BLOCK_SIZE.value, unit=_UNITS.value,
+                      memory_gb=_MEMORY_GB.value, weights_gb=_WEIGHTS_GB.value,
+                      reserve_gb=_RESERVE_GB.value)
+  if _JSON.value:
+    primary = plans.get("given", plans["exact"])
+    record = dataclasses.asdict(primary)
+    record.update(hardware=hardware.name, hardware_source=hardware.source,
+                  units="bytes", scenarios={k: dataclasses.asdict(v) for k, v in plans.items()})
+    print(json.dumps(record, indent=2))
+  else:
+    print(format_report(plans, config.model.name, hardware, _UNITS.value))
+
+
+if __name__ == "__main__":
+  cli.run(main)

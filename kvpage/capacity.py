@@ -1,0 +1,202 @@
+"""How many requests of a given length fit on a device: the KV-cache capacity model.
+
+Decode re-reads every earlier token's keys and values, so each request carries a
+KV cache that grows with its length:
+
+    kv_bytes_per_token = 2 (K and V) x bytes_per_element x num_layers x num_kv_heads x head_dim
+
+Grouped-query attention (GQA) shares one KV head among `num_heads / num_kv_heads`
+query heads and divides that figure by the same ratio. A device holds the weights,
+a reserve for activations and workspace, and a pool of KV pages with what is left;
+a paged cache (PagedAttention, Kwon et al., SOSP'23) hands a request whole pages
+of `block_size` tokens, so a request of S tokens occupies ceil(S / block_size) pages.
+
+Pure Python: this module never imports jax, so admission control can use it.
+"""
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float8_e4m3fn": "fp8",
+    "float8_e5m2": "fp8",
+}
+DEFAULT_BLOCK_SIZE = 16
+
+
+def canonical_dtype(dtype: str) -> str:
+  """Maps a dtype name (`bf16`, `bfloat16`, ...) to its short name, or raises ValueError."""
+  name = _DTYPE_ALIASES.get(str(dtype), str(dtype))
+  if name not in DTYPE_BYTES:
+    raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
+  return name
+
+
+def dtype_bytes(dtype: str) -> int:
+  """Bytes per element of `dtype`."""
+  return DTYPE_BYTES[canonical_dtype(dtype)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """The dimensions of a decoder-only Transformer that memory depends on."""
+
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  d_model: int
+  ffn_dim: int
+  vocab_size: int
+  tie_embeddings: bool = False
+  name: str = "model"
+
+  def __post_init__(self):
+    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model",
+                  "ffn_dim", "vocab_size"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{self.name}: {field} must be a positive integer, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"{self.name}: num_kv_heads={self.num_kv_heads} must divide "
+          f"num_heads={self.num_heads} (GQA shares each KV head among a whole group)"
+      )
+
+  @classmethod
+  def from_config(cls, config: Mapping[str, Any] | Any) -> "ModelShape":
+    """Builds from a model config section (a ConfigDict or any mapping with these keys)."""
+    get = config.get if hasattr(config, "get") else lambda key, default=None: getattr(
+        config, key, default)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {name: get(name) for name in fields if get(name) is not None}
+    return cls(**values)
+
+  @property
+  def group_size(self) -> int:
+    """Query heads per KV head (1 for MHA)."""
+    return self.num_heads // self.num_kv_heads
+
+
+def _check_positive(name: str, value: int) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+    raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def kv_bytes_per_token(model: ModelShape, dtype: str) -> int:
+  """Bytes of keys and values one token holds across all layers."""
+  return 2 * dtype_bytes(dtype) * model.num_layers * model.num_kv_heads * model.head_dim
+
+
+def pages_for_tokens(num_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+  """Pages a sequence of `num_tokens` occupies in a paged cache (ceil division)."""
+  _check_positive("block_size", block_size)
+  if num_tokens < 0:
+    raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+  return -(-num_tokens // block_size)
+
+
+def kv_bytes_per_request(model: ModelShape, dtype: str, seq_len: int,
+                         block_size: int | None = None) -> int:
+  """KV bytes of one request of `seq_len` tokens; rounded up to whole pages if `block_size`."""
+  _check_positive("seq_len", seq_len)
+  tokens = seq_len if block_size is None else pages_for_tokens(seq_len, block_size) * block_size
+  return kv_bytes_per_token(model, dtype) * tokens
+
+
+def num_parameters(model: ModelShape) -> int:
+  """Parameters of a Llama-style decoder (RMSNorm, no biases, SwiGLU, GQA)."""
+  d, hd = model.d_model, model.head_dim
+  attention = d * model.num_heads * hd * 2 + d * model.num_kv_heads * hd * 2  # q, o; k, v
+  mlp = 3 * d * model.ffn_dim  # gate, up, down
+  norms = 2 * d
+  embeddings = model.vocab_size * d * (1 if model.tie_embeddings else 2)
+  return model.num_layers * (attention + mlp + norms) + d + embeddings
+
+
+def weight_bytes(model: ModelShape, dtype: str) -> int:
+  """Bytes of all weights stored in `dtype`."""
+  return num_parameters(model) * dtype_bytes(dtype)
+
+
+def kv_pool_pages(memory_bytes: int, weight_bytes: int, page_bytes: int,
+                  reserve_bytes: int = 0) -> int:
+  """Pages of `page_bytes` that fit in device memory after the weights and a reserve."""
+  _check_positive("page_bytes", page_bytes)
+  if reserve_bytes < 0:
+    raise ValueError(f"reserve must be >= 0 bytes, got {reserve_bytes}")
+  free = memory_bytes - weight_bytes - reserve_bytes
+  if free < 0:
+    raise ValueError(
+        f"device memory ({memory_bytes:,} bytes) is smaller than weights ({weight_bytes:,}) "
+        f"plus reserve ({reserve_bytes:,}): the model does not fit"
+    )
+  return free // page_bytes
+
+
+def block_waste(seq_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[int, float]:
+  """Token slots a paged cache reserves but leaves empty for one request, and their fraction."""
+  _check_positive("seq_len", seq_len)
+  reserved = pages_for_tokens(seq_len, block_size) * block_size
+  return reserved - seq_len, (reserved - seq_len) / reserved
+
+
+@dataclasses.dataclass(frozen=True)
+class CapacityPlan:
+  """Every premise and every result of one capacity calculation."""
+
+  model: str
+  weight_dtype: str
+  kv_dtype: str
+  seq_len: int
+  block_size: int
+  memory_bytes: int
+  weight_bytes: int
+  reserve_bytes: int
+  kv_bytes_per_token: int
+  kv_bytes_per_request: int
+  kv_pool_bytes: int
+  pool_pages: int
+  pool_tokens: int
+  pages_per_request: int
+  max_concurrent_requests: int
+  block_waste_tokens: int
+  block_waste_fraction: float
+
+
+def plan(model: ModelShape, *, seq_len: int, memory_bytes: int, weight_dtype: str,
+         kv_dtype: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+         weight_bytes_override: int | None = None, reserve_bytes: int = 0) -> CapacityPlan:
+  """How many fully-grown requests of `seq_len` tokens a device holds at once.
+
+  The pool is carved into pages of `block_size` tokens after the weights and the
+  reserve; a request needs ceil(seq_len / block_size) pages. `weight_bytes_override`
+  replaces the weight bytes computed from the model's dimensions.
+  """
+  _check_positive("seq_len", seq_len)
+  _check_positive("block_size", block_size)
+  kv_dtype = canonical_dtype(kv_dtype or weight_dtype)
+  weights = (weight_bytes(model, weight_dtype) if weight_bytes_override is None
+             else weight_bytes_override)
+  per_token = kv_bytes_per_token(model, kv_dtype)
+  page_bytes = per_token * block_size
+  pool_pages = kv_pool_pages(memory_bytes, weights, page_bytes, reserve_bytes)
+  pages_per_request = pages_for_tokens(seq_len, block_size)
+  waste_tokens, waste_fraction = block_waste(seq_len, block_size)
+  return CapacityPlan(
+      model=model.name, weight_dtype=canonical_dtype(weight_dtype), kv_dtype=kv_dtype,
+      seq_len=seq_len, block_size=block_size, memory_bytes=memory_bytes, weight_bytes=weights,
+      reserve_bytes=reserve_bytes, kv_bytes_per_token=per_token,
+      kv_bytes_per_request=per_token * seq_len,
+      kv_pool_bytes=memory_bytes - weights - reserve_bytes, pool_pages=pool_pages,
+      pool_tokens=pool_pages * block_size, pages_per_request=pages_per_request,
+      max_concurrent_requests=pool_pages // pages_per_request,
+      block_waste_tokens=waste_tokens, block_waste_fraction=waste_fraction,
+  )
+

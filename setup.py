@@ -1,0 +1,31 @@
+"""kvpage: serve Transformer LLMs under rising concurrency by holding the KV-cache line."""
+
+import setuptools
+
+setuptools.setup(
+    name="kvpage",
+    version="0.1.0",
+    description=(
+        "A JAX research framework for LLM serving under load: paged KV cache, "
+        "token-level admission control, continuous batching."
+    ),
+    python_requires=">=3.10",
+    packages=setuptools.find_packages(include=["kvpage*", "models*", "configs*", "experiments*"]),
+    install_requires=[
+        "jax>=0.10",
+        "jaxlib>=0.10",
+        "flax>=0.12",
+        "optax>=0.2",
+        "numpy>=1.26",
+        "absl-py>=2.0",
+        "ml-collections>=1.0",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6.100",
+            "chex>=0.1.90",
+            "ruff>=0.6",
+        ],
+    },
+)

@@ -1,0 +1,46 @@
+"""Configs load with their variants and read dimensions from the one table."""
+
+import pytest
+
+from configs import base, llama3_8b, llama_13b, tiny
+from configs import hardware as hardware_lib
+
+
+def test_llama_13b_matches_the_llama2_paper():
+  model = llama_13b.get_config().model
+  assert (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim) == (
+      40, 40, 40, 128)
+  assert (model.d_model, model.ffn_dim, model.vocab_size, model.dtype) == (
+      5120, 13824, 32000, "fp16")
+
+
+def test_llama3_8b_is_gqa_bf16():
+  model = llama3_8b.get_config().model
+  assert (model.num_layers, model.num_heads, model.num_kv_heads, model.head_dim) == (
+      32, 32, 8, 128)
+  assert (model.d_model, model.ffn_dim, model.vocab_size, model.dtype) == (
+      4096, 14336, 128256, "bf16")
+
+
+@pytest.mark.parametrize("module", [llama_13b, llama3_8b, tiny])
+@pytest.mark.parametrize("variant", base.DTYPES)
+def test_dtype_variants(module, variant):
+  config = module.get_config(variant)
+  assert config.model.dtype == variant and config.cache.kv_dtype == variant
+  assert config.hardware in hardware_lib.HARDWARE
+  assert config.model.num_heads % config.model.num_kv_heads == 0
+
+
+def test_unknown_variant_is_rejected():
+  with pytest.raises(ValueError, match="unknown config variant 'fp9'"):
+    tiny.get_config("fp9")
+
+
+def test_hardware_table_cites_sources():
+  assert {"a100_40gb", "a100_80gb", "h100_80gb", "h200_141gb", "cpu"} <= set(
+      hardware_lib.HARDWARE)
+  for spec in hardware_lib.HARDWARE.values():
+    assert spec.memory_bytes > 0 and spec.hbm_bandwidth > 0 and spec.peak_flops > 0
+    assert spec.source and 0 < spec.compute_efficiency <= 1
+    assert 0 < spec.bandwidth_efficiency <= 1
+  assert hardware_lib.get_hardware("a100_80gb").memory_bytes == 80 * 2**30
