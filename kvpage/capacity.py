@@ -15,7 +15,7 @@ Pure Python: this module never imports jax, so admission control can use it.
 """
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
@@ -200,3 +200,53 @@ def plan(model: ModelShape, *, seq_len: int, memory_bytes: int, weight_dtype: st
       block_waste_tokens=waste_tokens, block_waste_fraction=waste_fraction,
   )
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragmentation:
+  """KV memory reserved by a paged cache vs contiguous max-length preallocation.
+
+  Token counts are slots; bytes are slots x `kv_bytes_per_token`. Utilization is the
+  fraction of reserved slots that hold real tokens; waste is one minus that.
+  """
+
+  num_sequences: int
+  block_size: int
+  max_len: int
+  used_tokens: int
+  paged_reserved_tokens: int
+  contiguous_reserved_tokens: int
+  used_bytes: int
+  paged_reserved_bytes: int
+  contiguous_reserved_bytes: int
+  paged_utilization: float
+  contiguous_utilization: float
+  paged_waste: float
+  contiguous_waste: float
+
+
+def fragmentation(lengths: Sequence[int], *, max_len: int,
+                  block_size: int = DEFAULT_BLOCK_SIZE,
+                  kv_bytes_per_token: int = 1) -> Fragmentation:
+  """Reserved vs used KV memory for sequences of `lengths` under both schemes.
+
+  A paged cache reserves ceil(length / block_size) pages per sequence; a contiguous
+  cache reserves `max_len` slots per sequence, whatever its final length.
+  """
+  _check_positive("max_len", max_len)
+  if not lengths:
+    raise ValueError("lengths must not be empty")
+  for length in lengths:
+    _check_positive("each sequence length", int(length))
+    if length > max_len:
+      raise ValueError(f"sequence length {length} exceeds max_len={max_len}")
+  used = int(sum(lengths))
+  paged = sum(pages_for_tokens(int(n), block_size) for n in lengths) * block_size
+  contiguous = len(lengths) * max_len
+  return Fragmentation(
+      num_sequences=len(lengths), block_size=block_size, max_len=max_len, used_tokens=used,
+      paged_reserved_tokens=paged, contiguous_reserved_tokens=contiguous,
+      used_bytes=used * kv_bytes_per_token, paged_reserved_bytes=paged * kv_bytes_per_token,
+      contiguous_reserved_bytes=contiguous * kv_bytes_per_token,
+      paged_utilization=used / paged, contiguous_utilization=used / contiguous,
+      paged_waste=1 - used / paged, contiguous_waste=1 - used / contiguous)

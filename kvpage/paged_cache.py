@@ -1,0 +1,152 @@
+"""The paged KV cache: one pool of fixed-size pages per layer, addressed through slots.
+
+PagedAttention (Kwon et al., SOSP'23) stores a sequence's keys and values in pages of
+`page_size` tokens scattered anywhere in one pool, found through the sequence's block
+table, so no sequence preallocates its maximum length. The layout is head-major,
+
+    k_pages, v_pages: [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+
+the layout of JAX's own Pallas paged-attention kernels, so kernels are
+interchangeable. Page 0 is the **null page**: padding tokens write there and padded
+block-table entries point there; the host block manager never hands it out.
+
+A token's slot is `page * page_size + offset`. Writes go through a `slot_mapping`
+(one slot per new token); reads go through block tables (see `kvpage.attention`).
+Every function here is pure and jit-friendly: pass the cache as a donated argument
+and XLA updates the pool in place.
+"""
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from kvpage import capacity
+
+NULL_PAGE = 0
+
+JNP_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16,
+              "fp8": jnp.float8_e4m3fn}
+
+
+def jnp_dtype(dtype: Any) -> jnp.dtype:
+  """A jnp dtype from kvpage's short names (`bf16`) or anything jnp accepts."""
+  if isinstance(dtype, str):
+    name = capacity.canonical_dtype(dtype)
+    if name not in JNP_DTYPES:
+      raise ValueError(f"dtype {dtype!r} is not supported for cache storage; choose one of: "
+                       f"{', '.join(JNP_DTYPES)}")
+    return jnp.dtype(JNP_DTYPES[name])
+  return jnp.dtype(dtype)
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  """Keys and values of every layer, in pages. A frozen pytree of two arrays."""
+
+  k_pages: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+  v_pages: jax.Array  # [num_layers, num_kv_heads, num_pages, page_size, head_dim]
+
+  @property
+  def num_layers(self) -> int:
+    return self.k_pages.shape[0]
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.k_pages.shape[1]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k_pages.shape[2]
+
+  @property
+  def page_size(self) -> int:
+    return self.k_pages.shape[3]
+
+  @property
+  def head_dim(self) -> int:
+    return self.k_pages.shape[4]
+
+  @property
+  def dtype(self) -> jnp.dtype:
+    return self.k_pages.dtype
+
+  @property
+  def num_bytes(self) -> int:
+    return 2 * self.k_pages.size * self.k_pages.dtype.itemsize
+
+
+def _model_dims(model_config: Mapping[str, Any] | Any) -> tuple[int, int, int]:
+  shape = capacity.ModelShape.from_config(model_config)
+  return shape.num_layers, shape.num_kv_heads, shape.head_dim
+
+
+def init(model_config: Mapping[str, Any] | Any, *, num_pages: int, page_size: int,
+         dtype: Any = None) -> PagedKVCache:
+  """A zeroed cache of `num_pages` pages (page 0, the null page, included).
+
+  `model_config` is a model config section (layers, KV heads, head_dim); `dtype`
+  defaults to the model's.
+  """
+  if num_pages < 2:
+    raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
+  if page_size <= 0:
+    raise ValueError(f"page_size must be positive, got {page_size}")
+  num_layers, num_kv_heads, head_dim = _model_dims(model_config)
+  dtype = jnp_dtype(dtype or model_config["dtype"])
+  shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+  return PagedKVCache(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
+
+
+def num_pages_for_budget(model_config: Mapping[str, Any] | Any, *, memory_bytes: int,
+                         page_size: int, dtype: Any = None) -> int:
+  """Pages (null page included) that a KV budget of `memory_bytes` holds."""
+  shape = capacity.ModelShape.from_config(model_config)
+  itemsize = jnp_dtype(dtype or model_config["dtype"]).itemsize
+  page_bytes = 2 * itemsize * shape.num_layers * shape.num_kv_heads * shape.head_dim * page_size
+  num_pages = memory_bytes // page_bytes
+  if num_pages < 2:
+    raise ValueError(f"a KV budget of {memory_bytes:,} bytes holds {num_pages} pages of "
+                     f"{page_bytes:,} bytes; at least 2 are needed (page 0 is the null page)")
+  return int(num_pages)
+
+
+def init_from_budget(model_config: Mapping[str, Any] | Any, *, memory_bytes: int,
+                     page_size: int, dtype: Any = None) -> PagedKVCache:
+  """A cache sized to a memory budget (e.g. `kvpage.capacity.plan(...).kv_pool_bytes`)."""
+  num_pages = num_pages_for_budget(model_config, memory_bytes=memory_bytes,
+                                   page_size=page_size, dtype=dtype)
+  return init(model_config, num_pages=num_pages, page_size=page_size, dtype=dtype)
+
+
+def write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
+          slot_mapping: jax.Array) -> PagedKVCache:
+  """`write_layer` on layer `layer` of the whole cache (in place when donated).
+
+  Args:
+    k, v: `[num_tokens, num_kv_heads, head_dim]`.
+    slot_mapping: `i32[num_tokens]`.
+  """
+  num_layers, num_kv_heads, num_pages, page_size, head_dim = cache.k_pages.shape
+  flat_shape = (num_layers, num_kv_heads, num_pages * page_size, head_dim)
+  # x[layer, :, slots, :] has shape [num_tokens, num_kv_heads, head_dim] (numpy rules:
+  # advanced indices separated by a slice move to the front), so k needs no transpose.
+  k_flat = cache.k_pages.reshape(flat_shape).at[layer, :, slot_mapping, :].set(
+      k.astype(cache.dtype))
+  v_flat = cache.v_pages.reshape(flat_shape).at[layer, :, slot_mapping, :].set(
+      v.astype(cache.dtype))
+  return cache.replace(k_pages=k_flat.reshape(cache.k_pages.shape),
+                       v_pages=v_flat.reshape(cache.v_pages.shape))
+
+
+def read_sequence(cache: PagedKVCache, layer: int, block_table: jax.Array,
+                  length: int) -> tuple[jax.Array, jax.Array]:
+  """A sequence's keys and values, `[length, num_kv_heads, head_dim]` each (for tests)."""
+  positions = jnp.arange(length)
+  pages = block_table[positions // cache.page_size]
+  offsets = positions % cache.page_size
+  k = cache.k_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
+  v = cache.v_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
+  return k, v

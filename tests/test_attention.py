@@ -1,0 +1,117 @@
+"""The reference ragged paged attention equals dense causal attention on unpaged sequences."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from attention_cases import dense_attention, make_case, relative_error
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvpage import attention
+
+HEAD_DIM = 16
+
+
+def run(case, dtype=jnp.float32, **kwargs):
+  return np.asarray(attention.ragged_paged_attention(
+      jnp.asarray(case.q, dtype), jnp.asarray(case.k_pages, dtype),
+      jnp.asarray(case.v_pages, dtype), **case.kwargs(), **kwargs).astype(jnp.float32))
+
+
+def check(case, dtype=jnp.float32, tolerance=1e-5, **kwargs):
+  out = run(case, dtype, **kwargs)
+  assert np.all(np.isfinite(out)), "padding produced NaN/inf"
+  expected = dense_attention(case, kwargs.get("sm_scale"), kwargs.get("soft_cap"))
+  assert relative_error(out[:case.num_real_tokens], expected) < tolerance
+  # Padding rows come out as exact zeros.
+  assert not np.any(out[case.num_real_tokens:])
+
+
+seq_lengths = st.sampled_from([1, 2, 3, 15, 16, 17, 31, 33, 64, 100])
+
+
+@st.composite
+def ragged_batches(draw):
+  """Mixed batches: each sequence decodes (1 new token), prefills whole, or chunks."""
+  seqs = []
+  for _ in range(draw(st.integers(1, 5))):
+    ctx = draw(seq_lengths)
+    kind = draw(st.sampled_from(["decode", "prefill", "chunk"]))
+    qlen = {"decode": 1, "prefill": ctx, "chunk": draw(st.integers(1, ctx))}[kind]
+    seqs.append((ctx, qlen))
+  return seqs
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=ragged_batches(), group=st.sampled_from([1, 2, 4, 8]),
+       num_kv_heads=st.sampled_from([1, 2]), page_size=st.sampled_from([1, 4, 16]),
+       num_pad_tokens=st.integers(0, 3), num_pad_seqs=st.integers(0, 2),
+       tokens_per_chunk=st.sampled_from([16, 64, 256]), seed=st.integers(0, 2**16))
+def test_random_ragged_batches_match_dense(seqs, group, num_kv_heads, page_size,
+                                           num_pad_tokens, num_pad_seqs, tokens_per_chunk,
+                                           seed):
+  case = make_case(seqs, num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+                   head_dim=HEAD_DIM, page_size=page_size, seed=seed,
+                   num_pad_tokens=num_pad_tokens, num_pad_seqs=num_pad_seqs)
+  check(case, tokens_per_chunk=tokens_per_chunk)
+
+
+@pytest.mark.parametrize("name,seqs", [
+    ("decode_only", [(1, 1), (3, 1), (16, 1), (17, 1), (513, 1)]),
+    ("prefill_only", [(1, 1), (3, 3), (17, 17), (513, 513)]),
+    ("mixed", [(513, 1), (17, 17), (40, 7), (3, 1), (100, 37)]),
+    ("chunk_not_page_aligned", [(29, 11), (21, 5)]),
+])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_named_batches(name, seqs, group):
+  case = make_case(seqs, num_heads=2 * group, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16,
+                   seed=len(name) + group, num_pad_tokens=2, num_pad_seqs=1)
+  check(case)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision(dtype):
+  case = make_case([(513, 1), (17, 17), (40, 7)], num_heads=8, num_kv_heads=2,
+                   head_dim=HEAD_DIM, page_size=16, seed=3)
+  # Compare with the dense oracle on the inputs as rounded to the half-precision dtype.
+  for array in (case.q, case.k_pages, case.v_pages, *case.keys, *case.values):
+    array[...] = np.asarray(jnp.asarray(array, dtype).astype(jnp.float32))
+  check(case, dtype=dtype, tolerance=2e-2)
+
+
+def test_scale_and_soft_cap():
+  case = make_case([(33, 5), (9, 1)], num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM,
+                   page_size=4, seed=7)
+  check(case, sm_scale=0.5, soft_cap=3.0)
+
+
+def test_permuting_pages_does_not_change_the_result():
+  case = make_case([(40, 6), (20, 1)], num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM,
+                   page_size=4, seed=11)
+  before = run(case)
+  permutation = np.concatenate([[0], np.random.default_rng(0).permutation(
+      np.arange(1, case.k_pages.shape[1]))])
+  inverse = np.argsort(permutation)
+  case.k_pages = case.k_pages[:, permutation]
+  case.v_pages = case.v_pages[:, permutation]
+  case.block_tables = inverse[case.block_tables].astype(np.int32)
+  np.testing.assert_allclose(run(case), before, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_shapes_raise_value_errors():
+  case = make_case([(20, 2)], num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, page_size=4,
+                   seed=0)
+  q, k, v = (jnp.asarray(x) for x in (case.q, case.k_pages, case.v_pages))
+  kwargs = case.kwargs()
+  with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
+    attention.ragged_paged_attention(q[:, :3], k, v, **kwargs)
+  with pytest.raises(ValueError, match="mismatched dtypes"):
+    attention.ragged_paged_attention(q.astype(jnp.bfloat16), k, v, **kwargs)
+  with pytest.raises(ValueError, match="block table too narrow"):
+    attention.ragged_paged_attention(q, k, v, **{**kwargs, "block_tables": kwargs[
+        "block_tables"][:, :2]})
+  with pytest.raises(ValueError, match="head_dim"):
+    attention.ragged_paged_attention(q[..., :8], k, v, **kwargs)
+  with pytest.raises(ValueError, match="query_start_loc"):
+    attention.ragged_paged_attention(q, k, v, **{**kwargs, "query_start_loc": np.array(
+        [0], np.int32)})
