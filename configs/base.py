@@ -9,7 +9,7 @@ Later sections (scheduler, engine) are added by the modules that own them.
 
 import ml_collections
 
-from configs import model_table
+from configs import model_table, scheduler
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
 
@@ -42,4 +42,5 @@ def build(name: str, default_dtype: str, variant: str | None,
   config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0))
   config.hardware = hardware
   config.seed = 0
+  config.scheduler = scheduler.get_scheduler_config()
   return config

@@ -1,0 +1,152 @@
+"""Admission at arrival: push back in pages, not requests per second.
+
+A request's weight is the KV memory it will occupy, so the gateway estimates it in
+pages — prompt tokens plus the output tokens it is expected to produce — before the
+request may queue. The answers, checked in this order:
+
+  * **400** it can never fit: prompt + max_tokens exceeds the model's context, or
+    needs more pages than the whole pool. Retrying cannot help.
+  * **503** cache pressure: this estimate, plus the estimates of the requests already
+    admitted but not running (waiting or swapped out), would leave fewer free pages
+    than the watermark. The memory line is held first, so when both the cache and the
+    queue say no, the client hears about the cache.
+  * **429** the waiting queue is full (`max_waiting`).
+  * **200** admitted.
+
+The free pages below the watermark are what running requests grow into; refusing at
+the door is what keeps them from being preempted later. Expected output length is a
+policy: the request's `max_tokens` (never overcommits), a fixed number, or the
+running mean of finished outputs (overcommits on purpose and lets preemption absorb
+the tail, the bet vLLM makes, SOSP'23 section 4.5).
+
+A rejection carries `retry_after`: the seconds until enough pages should be free,
+from the rate at which finished and aborted requests returned pages recently.
+
+Pure Python: never imports jax.
+"""
+
+import collections
+import dataclasses
+
+import ml_collections
+
+from kvpage.block_manager import BlockManager
+from kvpage.request import Request
+
+OK, BAD_REQUEST, TOO_MANY_REQUESTS, SERVICE_UNAVAILABLE = 200, 400, 429, 503
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+  """The gateway's answer to one request: an HTTP-like status, why, and when to retry."""
+
+  status: int
+  reason: str = ""
+  retry_after: float | None = None
+  request_id: str = ""
+
+  @property
+  def admitted(self) -> bool:
+    return self.status == OK
+
+
+class AdmissionControl:
+  """Estimates pages per request, tracks the admitted backlog, and answers arrivals."""
+
+  def __init__(self, config: ml_collections.ConfigDict, block_manager: BlockManager,
+               max_model_len: int):
+    self.config = config
+    self.block_manager = block_manager
+    self.max_model_len = max_model_len
+    self.watermark_pages = config.watermark * block_manager.num_usable_pages
+    self._recent_outputs: collections.deque[int] = collections.deque(
+        maxlen=config.output_estimate_window)
+    self._recent_outputs_sum = 0
+    self._recent_frees: collections.deque[tuple[float, int]] = collections.deque()
+    self._backlog: dict[str, int] = {}  # estimated pages of admitted, non-running requests
+    self.num_backlog_pages = 0
+
+  def expected_output_tokens(self, request: Request) -> int:
+    """Output tokens `request` is expected to produce in total, per `output_estimate`."""
+    max_tokens = request.sampling.max_tokens
+    policy = self.config.output_estimate
+    if policy == "fixed":
+      expected = self.config.fixed_output_estimate
+    elif policy == "running_mean" and self._recent_outputs:
+      expected = round(self._recent_outputs_sum / len(self._recent_outputs))
+    else:  # "max_tokens", or "running_mean" before anything has finished.
+      expected = max_tokens
+    # Never less than what it already has (plus the token it is about to sample).
+    return min(max_tokens, max(expected, request.num_output_tokens + 1))
+
+  def estimate_pages(self, request: Request) -> int:
+    """Pages `request` is expected to hold at its peak."""
+    tokens = request.num_prompt_tokens + self.expected_output_tokens(request)
+    return self.block_manager.pages_for(tokens)
+
+  def decide(self, request: Request, num_waiting: int, now: float) -> Admission:
+    """400, 503, 429 or 200 for an arriving request (see the module docstring)."""
+    rid, bm = request.request_id, self.block_manager
+    max_tokens = request.sampling.max_tokens
+    total = request.num_prompt_tokens + max_tokens
+    if request.num_prompt_tokens == 0:
+      return Admission(BAD_REQUEST, "empty prompt", None, rid)
+    if total > self.max_model_len:
+      return Admission(BAD_REQUEST, f"prompt ({request.num_prompt_tokens}) + max_tokens "
+                       f"({max_tokens}) = {total} tokens exceeds max_model_len "
+                       f"{self.max_model_len}", None, rid)
+    if bm.pages_for(total) > bm.num_usable_pages:
+      return Admission(BAD_REQUEST, f"{total} tokens need {bm.pages_for(total)} pages, more "
+                       f"than the whole pool ({bm.num_usable_pages})", None, rid)
+    estimate = self.estimate_pages(request)
+    left = bm.num_free_pages - self.num_backlog_pages - estimate
+    if left < self.watermark_pages:
+      return Admission(
+          SERVICE_UNAVAILABLE,
+          f"cache pressure: {estimate} pages for this request + {self.num_backlog_pages} for "
+          f"admitted waiting requests would leave {left} of {bm.num_free_pages} free pages, "
+          f"under the watermark of {self.watermark_pages:.1f}",
+          self.retry_after(self.watermark_pages - left, now), rid)
+    if num_waiting >= self.config.max_waiting:
+      return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of "
+                       f"{self.config.max_waiting})", self.retry_after(estimate, now), rid)
+    return Admission(OK, "admitted", None, rid)
+
+  def retry_after(self, num_pages: float, now: float) -> float:
+    """Seconds until `num_pages` more pages should be free, at the recent rate of frees."""
+    self._forget_old_frees(now)
+    config = self.config
+    if not self._recent_frees:
+      return config.default_retry_after_s
+    # Pages per second over the whole window, not since the first free in it: one
+    # burst of frees must not promise a rate the server cannot sustain.
+    rate = sum(num for _, num in self._recent_frees) / config.retry_after_window_s
+    return min(config.max_retry_after_s, max(num_pages, 1.0) / rate)
+
+  # Bookkeeping the scheduler calls.
+  def add_backlog(self, request: Request) -> None:
+    """Counts an admitted request that holds no device pages (waiting or swapped)."""
+    estimate = self.estimate_pages(request)
+    self._backlog[request.request_id] = estimate
+    self.num_backlog_pages += estimate
+
+  def remove_backlog(self, request: Request) -> None:
+    self.num_backlog_pages -= self._backlog.pop(request.request_id, 0)
+
+  def record_free(self, num_pages: int, now: float) -> None:
+    """Pages that a finished or aborted request handed back: the retry_after rate."""
+    if num_pages:
+      self._recent_frees.append((now, num_pages))
+      self._forget_old_frees(now)
+
+  def record_output(self, request: Request) -> None:
+    """An output length for the running mean (requests that ended by length or stop)."""
+    if len(self._recent_outputs) == self._recent_outputs.maxlen:
+      self._recent_outputs_sum -= self._recent_outputs[0]
+    self._recent_outputs.append(request.num_output_tokens)
+    self._recent_outputs_sum += request.num_output_tokens
+
+  def _forget_old_frees(self, now: float) -> None:
+    horizon = now - self.config.retry_after_window_s
+    while self._recent_frees and self._recent_frees[0][0] < horizon:
+      self._recent_frees.popleft()

@@ -1,0 +1,218 @@
+"""Which KV page belongs to whom: the host-side page allocator of the paged cache.
+
+The device cache is one pool of `num_pages` fixed-size pages of `page_size` tokens
+(PagedAttention, Kwon et al., SOSP'23). A request holds a list of page ids in
+position order — its block table — and grows it one page at a time as it decodes,
+so no request preallocates its maximum length. Page 0 is the **null page**: padded
+tokens write there and padded block-table entries point there, so it is never
+handed out; `num_usable_pages = num_pages - 1`.
+
+Each page carries a reference count. Today every owned page has exactly one owner;
+counting references instead of flagging ownership is what lets a later
+prefix-sharing feature map one page into several block tables without changing
+the verbs. The verbs come in pairs — `can_allocate`/`allocate`,
+`can_append`/`append_slot`, `can_swap_out`/`swap_out`, `can_swap_in`/`swap_in` —
+so the scheduler asks before it commits and the commit never fails halfway.
+
+A host swap pool of `num_host_pages` pages receives the pages of requests
+preempted by swapping (vLLM's swap mode); `swap_out`/`swap_in` return the
+(source, destination) page pairs that the executor copies.
+
+Pure Python (numpy only for read-outs): never imports jax.
+"""
+
+import collections
+
+import numpy as np
+
+NULL_PAGE = 0
+
+
+class BlockManager:
+  """Free list, per-request page tables and ref counts for device and host pages."""
+
+  def __init__(self, num_pages: int, page_size: int, num_host_pages: int = 0):
+    if not isinstance(num_pages, int) or num_pages < 2:
+      raise ValueError(f"num_pages must be an integer >= 2 (page 0 is the null page), "
+                       f"got {num_pages!r}")
+    if not isinstance(page_size, int) or page_size <= 0:
+      raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
+    if not isinstance(num_host_pages, int) or num_host_pages < 0:
+      raise ValueError(f"num_host_pages must be an integer >= 0, got {num_host_pages!r}")
+    self.num_pages = num_pages
+    self.page_size = page_size
+    self.num_host_pages = num_host_pages
+    # FIFO free lists: a freed page goes to the back, so recently used pages are
+    # reused last — the order a prefix cache wants for eviction.
+    self._free = collections.deque(range(1, num_pages))
+    self._ref_counts = [0] * num_pages
+    self._tables: dict[str, list[int]] = {}
+    self._host_free = collections.deque(range(num_host_pages))
+    self._host_ref_counts = [0] * num_host_pages
+    self._host_tables: dict[str, list[int]] = {}
+
+  # Figures.
+  @property
+  def num_usable_pages(self) -> int:
+    """Pages that can be handed out: all but the null page."""
+    return self.num_pages - 1
+
+  @property
+  def num_free_pages(self) -> int:
+    return len(self._free)
+
+  @property
+  def num_used_pages(self) -> int:
+    return self.num_pages - 1 - len(self._free)
+
+  @property
+  def usage(self) -> float:
+    """Fraction of usable device pages that are owned."""
+    return self.num_used_pages / self.num_usable_pages
+
+  @property
+  def num_free_host_pages(self) -> int:
+    return len(self._host_free)
+
+  @property
+  def num_used_host_pages(self) -> int:
+    return self.num_host_pages - len(self._host_free)
+
+  @property
+  def host_usage(self) -> float:
+    return self.num_used_host_pages / self.num_host_pages if self.num_host_pages else 0.0
+
+  def pages_for(self, num_tokens: int) -> int:
+    """Pages that hold `num_tokens` tokens (ceil division)."""
+    return -(-num_tokens // self.page_size)
+
+  def page_table(self, request_id: str) -> list[int]:
+    """The live device page list of a request (empty if none); callers must not mutate it."""
+    return self._tables.get(request_id, [])
+
+  def host_table(self, request_id: str) -> list[int]:
+    """The live host page list of a swapped-out request (empty if none)."""
+    return self._host_tables.get(request_id, [])
+
+  # Device verbs.
+  def can_allocate(self, num_tokens: int) -> bool:
+    """Whether a request with no pages could get pages for `num_tokens` tokens now."""
+    return self.pages_for(num_tokens) <= len(self._free)
+
+  def allocate(self, request_id: str, num_tokens: int) -> list[int]:
+    """Gives a request without pages enough pages for `num_tokens`; returns its table."""
+    if self._tables.get(request_id):
+      raise ValueError(f"request {request_id!r} already holds pages; use append_slot")
+    if not self.can_allocate(num_tokens):
+      raise ValueError(f"cannot allocate {self.pages_for(num_tokens)} pages for "
+                       f"{request_id!r}: only {len(self._free)} free")
+    table = self._tables[request_id] = []
+    self._take(table, self.pages_for(num_tokens))
+    return table
+
+  def num_missing_pages(self, request_id: str, num_tokens: int) -> int:
+    """Pages a request lacks to hold `num_tokens` tokens in total (0 if it has enough)."""
+    return max(0, self.pages_for(num_tokens) - len(self._tables.get(request_id, ())))
+
+  def can_append(self, request_id: str, num_tokens: int) -> bool:
+    """Whether the request's table can grow to hold `num_tokens` tokens in total."""
+    return self.num_missing_pages(request_id, num_tokens) <= len(self._free)
+
+  def append_slot(self, request_id: str, num_tokens: int = 1) -> list[int]:
+    """Grows the request's table to hold `num_tokens` tokens in total; returns new pages.
+
+    A decode step asks for `num_computed_tokens + 1`: a new page only when the token
+    crosses a page boundary, which is why paged memory wastes under one page per
+    request (PagedAttention, SOSP'23, section 4.2).
+    """
+    missing = self.num_missing_pages(request_id, num_tokens)
+    if missing > len(self._free):
+      raise ValueError(f"cannot append {missing} pages for {request_id!r}: "
+                       f"only {len(self._free)} free")
+    table = self._tables.setdefault(request_id, [])
+    start = len(table)
+    self._take(table, missing)
+    return table[start:]
+
+  def free(self, request_id: str) -> int:
+    """Drops every device and host page the request holds; returns how many were freed."""
+    num_freed = self._release(self._tables.pop(request_id, []), self._ref_counts, self._free)
+    self._release(self._host_tables.pop(request_id, []), self._host_ref_counts,
+                  self._host_free)
+    return num_freed
+
+  # Swap verbs: device pages <-> host pool.
+  def can_swap_out(self, request_id: str) -> bool:
+    return len(self._tables.get(request_id, ())) <= len(self._host_free)
+
+  def swap_out(self, request_id: str) -> list[tuple[int, int]]:
+    """Moves the request's pages to the host pool; returns (device, host) copies."""
+    if not self.can_swap_out(request_id):
+      raise ValueError(f"host pool too small to swap out {request_id!r}")
+    device = self._tables.pop(request_id, [])
+    host = self._host_tables[request_id] = []
+    for _ in device:
+      page = self._host_free.popleft()
+      self._host_ref_counts[page] += 1
+      host.append(page)
+    self._release(device, self._ref_counts, self._free)
+    return list(zip(device, host, strict=True))
+
+  def can_swap_in(self, request_id: str, num_extra_pages: int = 0) -> bool:
+    """Whether the request's host pages, plus `num_extra_pages`, fit in device memory."""
+    needed = len(self._host_tables.get(request_id, ())) + num_extra_pages
+    return needed <= len(self._free)
+
+  def swap_in(self, request_id: str) -> list[tuple[int, int]]:
+    """Moves the request's pages back to device pages; returns (host, device) copies."""
+    if not self.can_swap_in(request_id):
+      raise ValueError(f"not enough free device pages to swap in {request_id!r}")
+    if self._tables.get(request_id):
+      raise ValueError(f"request {request_id!r} holds device pages and host pages at once")
+    host = self._host_tables.pop(request_id, [])
+    device = self._tables[request_id] = []
+    self._take(device, len(host))
+    self._release(host, self._host_ref_counts, self._host_free)
+    return list(zip(host, device, strict=True))
+
+  # Read-outs for invariant checks and metrics.
+  def ref_counts(self) -> np.ndarray:
+    """i32[num_pages]: references held on each device page (page 0 always 0)."""
+    return np.asarray(self._ref_counts, dtype=np.int32)
+
+  def host_ref_counts(self) -> np.ndarray:
+    """i32[num_host_pages]: references held on each host page."""
+    return np.asarray(self._host_ref_counts, dtype=np.int32)
+
+  def free_page_ids(self) -> list[int]:
+    return list(self._free)
+
+  def free_host_page_ids(self) -> list[int]:
+    return list(self._host_free)
+
+  def page_tables(self) -> dict[str, list[int]]:
+    """A copy of every request's device page list."""
+    return {rid: list(pages) for rid, pages in self._tables.items() if pages}
+
+  def host_page_tables(self) -> dict[str, list[int]]:
+    return {rid: list(pages) for rid, pages in self._host_tables.items() if pages}
+
+  # Internals.
+  def _take(self, table: list[int], num: int) -> None:
+    free, ref_counts = self._free, self._ref_counts
+    for _ in range(num):
+      page = free.popleft()
+      ref_counts[page] += 1
+      table.append(page)
+
+  @staticmethod
+  def _release(pages: list[int], ref_counts: list[int], free: collections.deque) -> int:
+    num_freed = 0
+    for page in pages:
+      if ref_counts[page] <= 0:
+        raise AssertionError(f"page {page} released with ref count {ref_counts[page]}")
+      ref_counts[page] -= 1
+      if ref_counts[page] == 0:
+        free.append(page)
+        num_freed += 1
+    return num_freed

@@ -1,0 +1,135 @@
+"""A request as the host sees it: tokens in, tokens out, pages held, and a diary.
+
+A `Request` carries everything the scheduler decides on — prompt ids, sampling
+parameters, priority, arrival time — and everything it decided: its status, the
+tokens generated so far, the KV pages it holds (`page_ids`, in position order; a
+token at position `p` lives in page `page_ids[p // page_size]`), and how many
+tokens already have their keys and values in the cache (`num_computed_tokens`).
+
+Token accounting follows one rule so that prefill, chunked prefill, decode and
+recompute after preemption are the same operation: the tokens to compute at a step
+are `all_token_ids[num_computed_tokens : num_computed_tokens + n]`. A decode is the
+case n = 1: the last sampled token is not in the cache yet. A step samples a new
+token iff it brings `num_computed_tokens` up to `num_tokens`.
+
+Every decision lands in `events` with a timestamp (queued, admitted or rejected,
+scheduled, preempted, swapped out/in, first token, finished, aborted), so metrics
+and the gateway read one log instead of reconstructing what happened.
+
+Pure Python: never imports jax.
+"""
+
+import dataclasses
+import enum
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How to pick tokens and when to stop; `max_tokens` bounds the generated tokens."""
+
+  max_tokens: int
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int | None = None
+  stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+      raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+    if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+      raise ValueError(
+          f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got temperature="
+          f"{self.temperature}, top_k={self.top_k}, top_p={self.top_p}")
+    object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+
+class RequestStatus(enum.Enum):
+  WAITING = "waiting"  # admitted; holds no device pages (new, or preempted by recompute)
+  RUNNING = "running"  # holds device pages; scheduled when the budget allows
+  SWAPPED = "swapped"  # preempted by swap: its pages sit in the host pool
+  FINISHED = "finished"  # done: `finish_reason` says why; holds nothing
+  REJECTED = "rejected"  # refused at admission; never held anything
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+  """One timestamped entry of a request's log; `detail` holds kind-specific facts."""
+
+  time: float
+  kind: str
+  detail: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+  """One generation request and its state; the scheduler owns every mutable field.
+
+  `arrival_time` is stamped by `Scheduler.add_request` from its clock when left None.
+  """
+
+  request_id: str
+  prompt_ids: list[int]
+  sampling: SamplingParams
+  priority: int = 0  # lower value = more important, as in vLLM
+  arrival_time: float | None = None
+  status: RequestStatus = RequestStatus.WAITING
+  output_ids: list[int] = dataclasses.field(default_factory=list)
+  page_ids: list[int] = dataclasses.field(default_factory=list)
+  host_page_ids: list[int] = dataclasses.field(default_factory=list)
+  num_computed_tokens: int = 0
+  finish_reason: str | None = None  # "length", "stop", "preempted" or "aborted"
+  events: list[Event] = dataclasses.field(default_factory=list)
+  num_preemptions: int = 0
+  admission_index: int = -1  # order of admission: breaks priority ties, newest first
+
+  def __post_init__(self):
+    self.prompt_ids = list(self.prompt_ids)
+
+  def log(self, time: float, kind: str, **detail: Any) -> None:
+    """Appends an event to this request's log."""
+    self.events.append(Event(time, kind, detail))
+
+  @property
+  def all_token_ids(self) -> list[int]:
+    """Prompt then generated tokens: the sequence whose keys and values the cache holds."""
+    return self.prompt_ids + self.output_ids
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.prompt_ids) + len(self.output_ids)
+
+  @property
+  def num_prompt_tokens(self) -> int:
+    return len(self.prompt_ids)
+
+  @property
+  def num_output_tokens(self) -> int:
+    return len(self.output_ids)
+
+  @property
+  def is_finished(self) -> bool:
+    return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED)
+
+  def token_ids(self, start: int, stop: int) -> list[int]:
+    """`all_token_ids[start:stop]` without building the whole list (the hot path)."""
+    num_prompt = len(self.prompt_ids)
+    if start >= num_prompt:
+      return self.output_ids[start - num_prompt:stop - num_prompt]
+    if stop <= num_prompt:
+      return self.prompt_ids[start:stop]
+    return self.prompt_ids[start:] + self.output_ids[:stop - num_prompt]
+
+  def stop_reason(self, token: int) -> str | None:
+    """Why the request ends after sampling `token`: "stop", "length", or None to go on."""
+    if token in self.sampling.stop_token_ids and not self.sampling.ignore_eos:
+      return "stop"
+    if len(self.output_ids) >= self.sampling.max_tokens:
+      return "length"
+    return None
+
+  def event_kinds(self) -> list[str]:
+    """The kinds of this request's events, in order (handy for tests and debugging)."""
+    return [event.kind for event in self.events]

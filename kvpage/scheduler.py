@@ -1,0 +1,312 @@
+"""Continuous batching over a paged KV cache: what runs at each step, and who waits.
+
+Every step (iteration-level scheduling, Orca OSDI'22) the scheduler rebuilds the
+batch: running requests continue, waiting ones join while the token budget
+(`max_num_batched_tokens`) and the running-set cap (`max_num_seqs`) allow, and
+finished ones leave at once. Requests flow between three queues:
+
+  waiting (admitted, no pages) ──► running (device pages) ──► finished
+      ▲   recompute preemption        │  swap preemption
+      └───────────────────────────────┤──► swapped (host pages) ──► running
+                                      └──► finished("preempted") under abort
+
+Two prefill policies decide the order within a step:
+  * `none`: prompts are prefilled whole and first; a step that admits prefills runs
+    no decodes, so running requests stall behind long prompts — vLLM's
+    prefill-prioritizing schedule, the baseline of Sarathi-Serve (OSDI'24).
+  * `chunked`: decodes are scheduled first (one token each) and prefill chunks of at
+    most `chunk_size` tokens fill the rest of the budget: Sarathi-Serve's stall-free
+    batching.
+
+When a running request needs a page and none is free, the least important running
+request (largest priority value, newest among equals) is preempted — by recompute,
+swap or abort (`preemption.py`). A running request never fails because another
+one grew: it either gets its page or is itself the least important request.
+
+The scheduler never touches device arrays: `SchedulerOutput` lists token ids,
+positions, page lists and page copies; `batch.py` turns them into arrays.
+Pure Python: never imports jax.
+"""
+
+import collections
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import ml_collections
+
+from configs import scheduler as scheduler_config
+from kvpage import preemption
+from kvpage.admission import Admission, AdmissionControl
+from kvpage.block_manager import BlockManager
+from kvpage.request import Request, RequestStatus
+from kvpage.scheduler_output import Preemption, ScheduledSequence, SchedulerOutput, make_sequence
+
+__all__ = ["Admission", "Preemption", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Scheduler:
+  """Admission, continuous batching, chunked prefill and preemption over a BlockManager."""
+
+  def __init__(self, config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
+               max_model_len: int, num_host_pages: int | None = None,
+               clock: Callable[[], float] = time.monotonic):
+    scheduler_config.check(config, max_model_len)
+    self.config = config
+    self.max_model_len = max_model_len
+    self.clock = clock
+    host = config.num_host_pages if num_host_pages is None else num_host_pages
+    self.block_manager = BlockManager(num_pages, page_size, host)
+    self.admission = AdmissionControl(config, self.block_manager, max_model_len)
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self.swapped: list[Request] = []
+    self.requests: dict[str, Request] = {}  # every admitted, unfinished request
+    self._finished: list[Request] = []  # since the last output
+    self._rejected: list[Admission] = []
+    self._step = 0
+    self._num_admitted = 0
+    self._num_finished = 0
+    self._preemptions = dict.fromkeys(preemption.PREEMPTION_MODES, 0)
+    self._rejections = {400: 0, 429: 0, 503: 0}
+    # Per-step state, reset by `schedule`.
+    self._scheduled: dict[str, ScheduledSequence] = {}
+    self._budget = 0
+    self._chunk_size = config.chunk_size or config.max_num_batched_tokens
+
+  # Arrivals and departures.
+  def add_request(self, request: Request) -> Admission:
+    """Answers an arrival: 200 admitted (queued), or 400/429/503 with a reason."""
+    now = self.clock()
+    if request.arrival_time is None:
+      request.arrival_time = now
+    request.log(now, "queued", num_prompt_tokens=request.num_prompt_tokens,
+                max_tokens=request.sampling.max_tokens, priority=request.priority)
+    if request.request_id in self.requests:
+      answer = Admission(400, f"duplicate request_id {request.request_id!r}", None,
+                         request.request_id)
+    else:
+      answer = self.admission.decide(request, len(self.waiting), now)
+    if not answer.admitted:
+      request.status = RequestStatus.REJECTED
+      request.log(now, "rejected", status=answer.status, reason=answer.reason,
+                  retry_after=answer.retry_after)
+      self._rejections[answer.status] += 1
+      self._rejected.append(answer)
+      return answer
+    request.status = RequestStatus.WAITING
+    request.admission_index = self._num_admitted
+    self._num_admitted += 1
+    self.requests[request.request_id] = request
+    self.waiting.append(request)
+    self.admission.add_backlog(request)
+    request.log(now, "admitted", estimated_pages=self.admission.estimate_pages(request))
+    return answer
+
+  def abort(self, request_id: str) -> bool:
+    """Ends a request in any state and frees all it holds; False if it is not live."""
+    request = self.requests.get(request_id)
+    if request is None:
+      return False
+    now = self.clock()
+    request.log(now, "aborted", status=request.status.value)
+    self._finish(request, "aborted", now)
+    return True
+
+  # The step.
+  def schedule(self) -> SchedulerOutput:
+    """Decides the next step's batch; see the module docstring for the order."""
+    self._step += 1
+    # Requests finished this step (abort-mode preemption) join those finished since
+    # the last output, so each finished request is reported exactly once.
+    out = SchedulerOutput(step=self._step, finished=self._finished, rejected=self._rejected)
+    self._rejected = []
+    self._scheduled = {}
+    self._budget = self.config.max_num_batched_tokens
+    if self.config.prefill_policy == "chunked":
+      self._schedule_running(out, decodes=True)
+      self._schedule_running(out, decodes=False)
+      if not out.preempted:
+        self._resume_swapped(out)
+        self._admit_waiting(out)
+    else:
+      self._admit_waiting(out)
+      if not self._scheduled:  # a step with prefills runs no decodes: they stall
+        self._schedule_running(out, decodes=True)
+        if not out.preempted:
+          self._resume_swapped(out)
+    out.scheduled = list(self._scheduled.values())
+    out.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
+    self._finished = []
+    return out
+
+  def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    """Records a finished step: advances the cache, appends samples, ends requests."""
+    finished = []
+    now = None
+    for seq in output.scheduled:
+      request = seq.request
+      if request.status is not _RUNNING:
+        continue  # Aborted between schedule() and update(): its tokens are void.
+      if request.num_computed_tokens != seq.start_position:
+        raise ValueError(f"update() for step {output.step} does not follow the schedule of "
+                         f"{request.request_id!r}: was it applied twice?")
+      request.num_computed_tokens += len(seq.token_ids)
+      if not seq.samples:
+        continue
+      try:
+        token = int(sampled[seq.request_id])
+      except KeyError:
+        raise ValueError(f"no sampled token for {seq.request_id!r}") from None
+      request.output_ids.append(token)
+      if now is None:
+        now = self.clock()
+      if len(request.output_ids) == 1:
+        request.log(now, "first_token")
+      reason = request.stop_reason(token)
+      if reason is not None:
+        self._finish(request, reason, now)
+        finished.append(request)
+    return finished
+
+  # Read-outs.
+  @property
+  def num_running(self) -> int:
+    return len(self.running)
+
+  @property
+  def num_waiting(self) -> int:
+    return len(self.waiting)
+
+  @property
+  def num_swapped(self) -> int:
+    return len(self.swapped)
+
+  def has_unfinished(self) -> bool:
+    return bool(self.requests)
+
+  def stats(self) -> dict[str, Any]:
+    """Counters and gauges for the metrics module: usage, queues, preemptions, rejections."""
+    bm = self.block_manager
+    return dict(
+        step=self._step, num_running=self.num_running, num_waiting=self.num_waiting,
+        num_swapped=self.num_swapped, kv_usage=bm.usage, num_free_pages=bm.num_free_pages,
+        num_used_pages=bm.num_used_pages, num_usable_pages=bm.num_usable_pages,
+        host_usage=bm.host_usage, num_free_host_pages=bm.num_free_host_pages,
+        num_backlog_pages=self.admission.num_backlog_pages, num_admitted=self._num_admitted,
+        num_finished=self._num_finished, preemptions=dict(self._preemptions),
+        num_preemptions=sum(self._preemptions.values()), rejections=dict(self._rejections),
+        num_rejections=sum(self._rejections.values()))
+
+  # Internals: the three queues feeding the batch.
+  def _schedule_running(self, out: SchedulerOutput, *, decodes: bool) -> None:
+    """Continues running requests: decodes (one token) or prefill chunks."""
+    for request in list(self.running):
+      if self._budget <= 0:
+        return
+      if request.status is not _RUNNING:
+        continue  # preempted earlier in this step
+      remaining = request.num_tokens - request.num_computed_tokens
+      if (remaining == 1) is not decodes:
+        continue
+      num_new = 1 if decodes else min(remaining, self._budget, self._chunk_size)
+      if self._reserve_pages(request, request.num_computed_tokens + num_new, out):
+        self._add(request, num_new)
+
+  def _resume_swapped(self, out: SchedulerOutput) -> None:
+    """Swaps preempted requests back in, most important first, while pages allow."""
+    bm = self.block_manager
+    while self.swapped and len(self.running) < self.config.max_num_seqs and self._budget > 0:
+      request = min(self.swapped, key=preemption.importance)
+      num_new = self._num_new_prefill(request)
+      target = request.num_computed_tokens + num_new
+      extra = bm.pages_for(target) - len(request.host_page_ids)
+      if num_new == 0 or not bm.can_swap_in(request.request_id, extra):
+        return
+      out.swap_in.extend(bm.swap_in(request.request_id))
+      bm.append_slot(request.request_id, target)
+      self.swapped.remove(request)
+      self.admission.remove_backlog(request)
+      request.page_ids, request.host_page_ids = bm.page_table(request.request_id), []
+      request.status = _RUNNING
+      self.running.append(request)
+      request.log(self.clock(), "swapped_in", num_pages=len(request.page_ids))
+      self._add(request, num_new)
+
+  def _admit_waiting(self, out: SchedulerOutput) -> None:
+    """Moves waiting requests (FCFS) into the running set while budget and pages allow."""
+    del out  # Admission never preempts: waiting requests take only free pages.
+    if self.swapped:
+      return  # Swapped requests resume first.
+    bm = self.block_manager
+    while self.waiting and len(self.running) < self.config.max_num_seqs and self._budget > 0:
+      request = self.waiting[0]
+      num_new = self._num_new_prefill(request)
+      if num_new == 0 or not bm.can_allocate(num_new):
+        return  # Head-of-line blocking keeps FCFS order fair.
+      self.waiting.popleft()
+      self.admission.remove_backlog(request)
+      request.page_ids = bm.allocate(request.request_id, num_new)
+      request.status = _RUNNING
+      self.running.append(request)
+      request.log(self.clock(), "scheduled", num_computed_tokens=request.num_computed_tokens,
+                  num_tokens=request.num_tokens)
+      self._add(request, num_new)
+
+  def _num_new_prefill(self, request: Request) -> int:
+    """Tokens to compute next for a request joining the batch; 0 if they do not fit."""
+    remaining = request.num_tokens - request.num_computed_tokens
+    if self.config.prefill_policy == "none":
+      return remaining if remaining <= self._budget else 0  # whole prompts only
+    return min(remaining, self._budget, self._chunk_size)
+
+  def _reserve_pages(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+    """Pages for `num_tokens` tokens, preempting others if needed; False if `request` lost."""
+    bm = self.block_manager
+    if len(request.page_ids) * bm.page_size >= num_tokens:
+      return True
+    while not bm.can_append(request.request_id, num_tokens):
+      victim = max(self.running, key=preemption.importance)
+      self._preempt(victim, out)
+      if victim is request:
+        return False
+    bm.append_slot(request.request_id, num_tokens)
+    return True
+
+  def _add(self, request: Request, num_new: int) -> None:
+    self._scheduled[request.request_id] = make_sequence(request, num_new)
+    self._budget -= num_new
+
+  def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+    """Takes `victim` out of the running set by the configured mode (see preemption.py)."""
+    self.running.remove(victim)
+    dropped = self._scheduled.pop(victim.request_id, None)
+    if dropped is not None:  # Already in this step's batch: give its tokens back.
+      self._budget += len(dropped.token_ids)
+    now = self.clock()
+    mode = preemption.preempt(self, victim, out, now)
+    self._preemptions[mode] += 1
+    if mode == "abort":
+      self._finish(victim, "preempted", now)
+
+  def _finish(self, request: Request, reason: str, now: float) -> None:
+    """Ends a request in any queue: frees its pages, logs why, reports it once."""
+    if request.status is _RUNNING and request in self.running:  # not if just preempted
+      self.running.remove(request)
+    elif request.status is RequestStatus.SWAPPED:
+      self.swapped.remove(request)
+    elif request.status is RequestStatus.WAITING and request in self.waiting:
+      self.waiting.remove(request)
+    self.admission.remove_backlog(request)
+    num_freed = self.block_manager.free(request.request_id)
+    request.page_ids, request.host_page_ids = [], []
+    request.status, request.finish_reason = RequestStatus.FINISHED, reason
+    request.log(now, "finished", reason=reason, num_output_tokens=request.num_output_tokens)
+    self.admission.record_free(num_freed, now)
+    if reason in ("length", "stop"):
+      self.admission.record_output(request)
+    self.requests.pop(request.request_id, None)
+    self._num_finished += 1
+    self._finished.append(request)

@@ -1,0 +1,82 @@
+"""What the scheduler hands the batch builder and the executor for one step.
+
+`SchedulerOutput.scheduled` lists, in batch order, one `ScheduledSequence` per
+request that computes tokens this step: the token ids, the position of the first
+one, the request's page list (already long enough for every position computed)
+and whether the step samples a token for it. The executor copies `swap_out` pages
+(device -> host) before `swap_in` pages (host -> device), both before the step
+runs, because a step may reuse the device pages a swap-out just vacated.
+
+Nothing here is device-specific: plain ints and lists, so the same output drives a
+jitted model step or a simulated GPU.
+"""
+
+import dataclasses
+
+from kvpage.admission import Admission
+from kvpage.request import Request
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledSequence:
+  """One request's share of a step: compute `token_ids` at `start_position...`."""
+
+  request_id: str
+  token_ids: list[int]  # all_token_ids[start_position : start_position + n]
+  start_position: int  # = the request's num_computed_tokens before the step
+  page_ids: list[int]  # the request's whole page list, covering start_position + n - 1
+  samples: bool  # True iff the step ends at the sequence's last token: sample one more
+  is_prefill: bool  # False only for one generated token (a decode)
+  request: Request = dataclasses.field(repr=False)
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Preemption:
+  """A request taken out of the running set this step, and how (`mode`)."""
+
+  request: Request
+  mode: str  # "recompute", "swap" or "abort"
+
+  @property
+  def request_id(self) -> str:
+    return self.request.request_id
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+  """Everything one step needs: the batch, page copies, and what left the system."""
+
+  step: int
+  scheduled: list[ScheduledSequence] = dataclasses.field(default_factory=list)
+  swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (device, host)
+  swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)  # (host, device)
+  preempted: list[Preemption] = dataclasses.field(default_factory=list)
+  finished: list[Request] = dataclasses.field(default_factory=list)  # since the last output
+  rejected: list[Admission] = dataclasses.field(default_factory=list)  # since the last output
+  num_batched_tokens: int = 0
+
+  @property
+  def num_prefill_tokens(self) -> int:
+    return sum(len(seq.token_ids) for seq in self.scheduled if seq.is_prefill)
+
+  @property
+  def num_decode_tokens(self) -> int:
+    return sum(1 for seq in self.scheduled if not seq.is_prefill)
+
+  @property
+  def is_empty(self) -> bool:
+    """True when the step computes nothing and copies nothing."""
+    return not (self.scheduled or self.swap_out or self.swap_in)
+
+
+def make_sequence(request: Request, num_new: int) -> ScheduledSequence:
+  """The next `num_new` tokens of `request`, per the token-accounting rule of request.py."""
+  start = request.num_computed_tokens
+  stop = start + num_new
+  return ScheduledSequence(
+      request.request_id, request.token_ids(start, stop), start, list(request.page_ids),
+      stop == request.num_tokens, num_new > 1 or start < len(request.prompt_ids), request)

@@ -1,0 +1,136 @@
+"""BlockManager: the null page stays reserved, verbs come in pairs, nothing leaks."""
+
+import numpy as np
+import pytest
+
+from kvpage.block_manager import NULL_PAGE, BlockManager
+
+
+def assert_consistent(bm: BlockManager) -> None:
+  """free + owned = usable pages, each owned page counted once, page 0 never touched."""
+  refs = bm.ref_counts()
+  owned = [page for pages in bm.page_tables().values() for page in pages]
+  free = bm.free_page_ids()
+  assert refs[NULL_PAGE] == 0 and NULL_PAGE not in owned and NULL_PAGE not in free
+  assert (refs >= 0).all()
+  assert len(owned) == len(set(owned)), "a page is owned twice"
+  assert sorted(owned + free) == list(range(1, bm.num_pages))
+  assert bm.num_free_pages + bm.num_used_pages == bm.num_usable_pages
+  assert np.array_equal(refs[owned], np.ones(len(owned))) and (refs[free] == 0).all()
+  host_owned = [page for pages in bm.host_page_tables().values() for page in pages]
+  assert sorted(host_owned + bm.free_host_page_ids()) == list(range(bm.num_host_pages))
+  assert 0 <= bm.usage <= 1 and 0 <= bm.host_usage <= 1
+
+
+def test_null_page_is_never_handed_out():
+  bm = BlockManager(num_pages=5, page_size=4)
+  assert bm.num_usable_pages == 4
+  pages = bm.allocate("a", 16)  # the whole pool
+  assert sorted(pages) == [1, 2, 3, 4]
+  assert bm.num_free_pages == 0 and bm.usage == 1.0
+  assert not bm.can_allocate(1)
+  assert_consistent(bm)
+
+
+@pytest.mark.parametrize("num_tokens,num_pages", [(1, 1), (3, 1), (16, 1), (17, 2), (32, 2),
+                                                  (33, 3), (513, 33)])
+def test_pages_for_rounds_up_at_page_boundaries(num_tokens, num_pages):
+  bm = BlockManager(num_pages=64, page_size=16)
+  assert bm.pages_for(num_tokens) == num_pages
+  assert len(bm.allocate("a", num_tokens)) == num_pages
+
+
+def test_can_allocate_boundary():
+  bm = BlockManager(num_pages=11, page_size=16)  # 10 usable pages = 160 tokens
+  assert bm.can_allocate(160) and not bm.can_allocate(161)
+  with pytest.raises(ValueError, match="cannot allocate 11 pages"):
+    bm.allocate("a", 161)
+  assert bm.num_free_pages == 10  # a refused allocation takes nothing
+
+
+def test_append_slot_adds_a_page_only_when_crossing_a_boundary():
+  bm = BlockManager(num_pages=8, page_size=4)
+  table = bm.allocate("a", 3)
+  assert len(table) == 1
+  assert bm.append_slot("a", 4) == []  # position 3 still fits page 0 of the table
+  new = bm.append_slot("a", 5)  # position 4 starts a second page
+  assert len(new) == 1 and table == bm.page_table("a") and len(table) == 2
+  assert bm.num_missing_pages("a", 13) == 2 and bm.can_append("a", 13)
+  assert bm.append_slot("a", 13) == table[2:]
+  assert_consistent(bm)
+
+
+def test_can_append_boundary_and_refusal():
+  bm = BlockManager(num_pages=4, page_size=4)  # 3 usable pages
+  bm.allocate("a", 4)
+  bm.allocate("b", 4)
+  assert bm.can_append("a", 8) and not bm.can_append("a", 9)
+  with pytest.raises(ValueError, match="cannot append 2 pages"):
+    bm.append_slot("a", 9)
+  assert len(bm.page_table("a")) == 1  # unchanged
+  assert_consistent(bm)
+
+
+def test_free_returns_every_page_and_ref_counts_drop_to_zero():
+  bm = BlockManager(num_pages=10, page_size=2, num_host_pages=4)
+  bm.allocate("a", 5)
+  bm.allocate("b", 2)
+  assert bm.ref_counts().sum() == 4
+  assert bm.free("a") == 3 and bm.free("b") == 1
+  assert bm.free("missing") == 0
+  assert bm.num_free_pages == 9 and bm.ref_counts().sum() == 0
+  assert_consistent(bm)
+
+
+def test_double_allocate_is_an_error():
+  bm = BlockManager(num_pages=10, page_size=2)
+  bm.allocate("a", 2)
+  with pytest.raises(ValueError, match="already holds pages"):
+    bm.allocate("a", 2)
+
+
+def test_swap_round_trip_moves_pages_and_returns_copies():
+  bm = BlockManager(num_pages=6, page_size=4, num_host_pages=3)
+  device = list(bm.allocate("a", 12))
+  assert bm.can_swap_out("a")
+  copies_out = bm.swap_out("a")
+  assert [d for d, _ in copies_out] == device
+  host = bm.host_table("a")
+  assert [h for _, h in copies_out] == host and len(host) == 3
+  assert bm.page_table("a") == [] and bm.num_free_pages == 5 and bm.num_free_host_pages == 0
+  assert_consistent(bm)
+  bm.allocate("b", 8)  # someone else takes device pages meanwhile
+  assert bm.can_swap_in("a") and not bm.can_swap_in("a", num_extra_pages=1)
+  copies_in = bm.swap_in("a")
+  assert [h for h, _ in copies_in] == host
+  assert [d for _, d in copies_in] == bm.page_table("a")
+  assert bm.num_free_host_pages == 3 and bm.num_free_pages == 0
+  assert_consistent(bm)
+
+
+def test_swap_out_refused_when_host_pool_is_too_small():
+  bm = BlockManager(num_pages=6, page_size=4, num_host_pages=2)
+  bm.allocate("a", 12)
+  assert not bm.can_swap_out("a")
+  with pytest.raises(ValueError, match="host pool too small"):
+    bm.swap_out("a")
+  assert len(bm.page_table("a")) == 3 and bm.num_free_host_pages == 2
+
+
+def test_free_drops_host_pages_of_a_swapped_request():
+  bm = BlockManager(num_pages=6, page_size=4, num_host_pages=4)
+  bm.allocate("a", 8)
+  bm.swap_out("a")
+  assert bm.free("a") == 0  # no device pages; the host pages go back to the host pool
+  assert bm.num_free_host_pages == 4 and bm.host_usage == 0.0
+  assert_consistent(bm)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_pages=1, page_size=16), "num_pages must be an integer >= 2"),
+    (dict(num_pages=8, page_size=0), "page_size must be a positive integer"),
+    (dict(num_pages=8, page_size=16, num_host_pages=-1), "num_host_pages must be"),
+])
+def test_bad_sizes_are_rejected(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    BlockManager(**kwargs)

@@ -1,0 +1,240 @@
+"""Random traffic against tiny pools: the scheduler's invariants hold after every step.
+
+Hypothesis draws the knobs (both prefill policies, all three preemption modes, pools
+of a few pages that force pressure, small host pools) and a traffic plan (arrivals
+with random lengths and priorities, stop tokens, aborts). A fake executor plays the
+device: it writes (request, position, token) into the KV slot of every computed
+token, performs the swap copies, and before each step checks that every earlier
+position of the sequence still reads back what was written. That catches any page
+handed to two requests, any swap that lost a page, and any recompute that skipped a
+token — the cache content itself is the oracle.
+"""
+
+import dataclasses
+import random
+
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from configs import scheduler as scheduler_config
+from kvpage.block_manager import NULL_PAGE
+from kvpage.request import Request, RequestStatus, SamplingParams
+from kvpage.scheduler import Scheduler, SchedulerOutput
+
+MAX_MODEL_LEN = 64
+STOP_TOKEN = 0
+
+
+class FakeExecutor:
+  """Device and host KV pages as Python lists; checks reads, performs writes and copies."""
+
+  def __init__(self, scheduler: Scheduler):
+    bm = scheduler.block_manager
+    self.page_size = bm.page_size
+    self.device = [[None] * bm.page_size for _ in range(bm.num_pages)]
+    self.host = [[None] * bm.page_size for _ in range(bm.num_host_pages)]
+
+  def run(self, out: SchedulerOutput) -> None:
+    for device_page, host_page in out.swap_out:  # swap-out copies first...
+      self.host[host_page] = list(self.device[device_page])
+    for host_page, device_page in out.swap_in:  # ...then swap-in, then the step
+      self.device[device_page] = list(self.host[host_page])
+    for seq in out.scheduled:
+      tokens = seq.request.all_token_ids
+      assert NULL_PAGE not in seq.page_ids
+      assert seq.token_ids == tokens[seq.start_position:seq.start_position + len(seq.token_ids)]
+      for position in range(seq.start_position + len(seq.token_ids)):
+        page = seq.page_ids[position // self.page_size]
+        slot = self.device[page]
+        if position < seq.start_position:  # cached: must read back intact
+          assert slot[position % self.page_size] == (seq.request_id, position, tokens[position])
+        else:
+          slot[position % self.page_size] = (seq.request_id, position, tokens[position])
+
+
+def check_pages(scheduler: Scheduler) -> None:
+  """free + owned = total, no page owned twice, ref counts >= 0, tables match requests."""
+  bm = scheduler.block_manager
+  for tables, free, refs, total in (
+      (bm.page_tables(), bm.free_page_ids(), bm.ref_counts(), range(1, bm.num_pages)),
+      (bm.host_page_tables(), bm.free_host_page_ids(), bm.host_ref_counts(),
+       range(bm.num_host_pages))):
+    owned = [page for pages in tables.values() for page in pages]
+    assert len(owned) == len(set(owned)), "a page is owned by two requests"
+    assert sorted(owned + free) == list(total), "free + owned != total"
+    assert (refs >= 0).all() and refs[owned].tolist() == [1] * len(owned)
+  assert bm.ref_counts()[NULL_PAGE] == 0 and 0 <= bm.usage <= 1
+  live = {rid: r for rid, r in scheduler.requests.items()}
+  assert set(bm.page_tables()) <= {rid for rid, r in live.items()
+                                   if r.status is RequestStatus.RUNNING}
+  assert set(bm.host_page_tables()) <= {rid for rid, r in live.items()
+                                        if r.status is RequestStatus.SWAPPED}
+  for request in scheduler.running:
+    assert request.page_ids == bm.page_table(request.request_id)
+    assert len(request.page_ids) * bm.page_size >= request.num_computed_tokens
+  for request in scheduler.waiting:
+    assert request.page_ids == [] and request.status is RequestStatus.WAITING
+  assert scheduler.num_running <= scheduler.config.max_num_seqs
+
+
+def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
+  config = scheduler.config
+  assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
+  assert out.num_batched_tokens <= config.max_num_batched_tokens
+  assert len(out.scheduled) <= config.max_num_seqs
+  assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
+  for seq in out.scheduled:
+    request = seq.request
+    assert seq.start_position == request.num_computed_tokens
+    assert len(seq.page_ids) * scheduler.block_manager.page_size >= (
+        seq.start_position + len(seq.token_ids))
+    assert seq.samples == (seq.start_position + len(seq.token_ids) == request.num_tokens)
+    if config.prefill_policy == "none" and seq.is_prefill:
+      assert seq.start_position == 0 and seq.samples  # whole prompts only
+    if config.prefill_policy == "chunked" and config.chunk_size:
+      assert len(seq.token_ids) <= config.chunk_size
+
+
+@dataclasses.dataclass
+class Arrival:
+  num_prompt: int
+  max_tokens: int
+  priority: int
+  stops: bool
+
+
+arrivals = st.builds(Arrival, st.integers(1, 40), st.integers(1, 24), st.integers(0, 3),
+                     st.booleans())
+plans = st.lists(st.tuples(st.lists(arrivals, max_size=3), st.lists(st.integers(0, 99),
+                                                                    max_size=1)),
+                 min_size=1, max_size=25)
+
+
+def make_scheduler(draw, policy: str, mode: str) -> Scheduler:
+  """Knobs biased towards pressure: small pools, optimistic output estimates."""
+  config = scheduler_config.get_scheduler_config()
+  config.update(
+      prefill_policy=policy, preemption_mode=mode,
+      max_num_seqs=draw(st.integers(1, 6)),
+      max_num_batched_tokens=draw(st.integers(MAX_MODEL_LEN if policy == "none" else 1, 96)),
+      chunk_size=draw(st.sampled_from([0, 1, 5, 16])),
+      max_waiting=draw(st.integers(1, 8)), watermark=draw(st.sampled_from([0.0, 0.0, 0.2])),
+      output_estimate=draw(st.sampled_from(["fixed", "fixed", "running_mean", "max_tokens"])),
+      fixed_output_estimate=draw(st.integers(1, 8)))
+  page_size = draw(st.sampled_from([1, 2, 4, 8]))
+  num_pages = 1 + draw(st.integers(24, 128)) // page_size  # 24 to 128 tokens of KV
+  return Scheduler(config, num_pages=num_pages, page_size=page_size,
+                   max_model_len=MAX_MODEL_LEN, num_host_pages=draw(st.integers(0, 24)),
+                   clock=lambda: 0.0)
+
+
+def heavy_plan(seed: int, num_steps: int = 30) -> list:
+  """Seeded bursty traffic: up to 3 arrivals a step, outputs longer than prompts, aborts."""
+  rng = random.Random(seed)
+  return [([Arrival(rng.randint(1, 24), rng.randint(4, 40), rng.randint(0, 3),
+                    rng.random() < 0.3) for _ in range(rng.randint(0, 3))],
+           [rng.randint(0, 99)] if rng.random() < 0.05 else [])
+          for _ in range(num_steps)]
+
+
+def run_traffic(scheduler: Scheduler, plan: list, seed: int) -> list[Request]:
+  """Feeds `plan` (per step: arrivals, abort picks), steps until idle, checks everything."""
+  executor = FakeExecutor(scheduler)
+  admitted: list[Request] = []
+  aborted_by_test: set[str] = set()
+  plan = list(plan)
+  num_steps = 0
+  while plan or scheduler.has_unfinished():
+    if plan:
+      new, aborts = plan.pop(0)
+      for arrival in new:
+        stops = (STOP_TOKEN,) if arrival.stops else ()
+        request = Request(f"r{num_steps}-{len(admitted)}", [5] * arrival.num_prompt,
+                          SamplingParams(arrival.max_tokens, stop_token_ids=stops),
+                          priority=arrival.priority)
+        if scheduler.add_request(request).admitted:
+          admitted.append(request)
+      live = sorted(scheduler.requests)
+      for index in aborts:
+        if live:
+          aborted_by_test.add(live[index % len(live)])
+          assert scheduler.abort(live.pop(index % len(live)))
+    out = scheduler.schedule()
+    check_step(scheduler, out)
+    check_pages(scheduler)
+    executor.run(out)
+    scheduler.update(out, {s.request_id: (seed + num_steps + s.start_position) % 13
+                           for s in out.scheduled if s.samples})
+    check_pages(scheduler)
+    for request in admitted:
+      assert request.num_output_tokens <= request.sampling.max_tokens
+    num_steps += 1
+    # Liveness: every admitted request gets through in a bounded number of steps.
+    assert num_steps <= 40 + 30 * sum(r.num_prompt_tokens + r.sampling.max_tokens
+                                      for r in admitted), "scheduler stopped making progress"
+  check_drained(scheduler, admitted, aborted_by_test)
+  return admitted
+
+
+def check_drained(scheduler: Scheduler, admitted: list[Request], aborted: set[str]) -> None:
+  """Idle: every page is back (device and host) and every request ended for a good reason."""
+  bm = scheduler.block_manager
+  assert bm.num_free_pages == bm.num_usable_pages and bm.num_free_host_pages == bm.num_host_pages
+  assert scheduler.stats()["num_backlog_pages"] == 0
+  mode = scheduler.config.preemption_mode
+  for request in admitted:
+    assert request.status is RequestStatus.FINISHED and request.page_ids == []
+    if request.request_id in aborted and request.finish_reason == "aborted":
+      continue
+    # Only the abort policy may end a request early: under recompute and swap a running
+    # request never fails because another one grew.
+    allowed = {"length", "stop"} | ({"preempted"} if mode == "abort" else set())
+    assert request.finish_reason in allowed, (request.request_id, request.finish_reason)
+    if request.finish_reason == "length":
+      assert request.num_output_tokens == request.sampling.max_tokens
+    if request.finish_reason == "stop":
+      assert request.output_ids[-1] == STOP_TOKEN
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), policy=st.sampled_from(scheduler_config.PREFILL_POLICIES),
+       mode=st.sampled_from(scheduler_config.PREEMPTION_MODES), plan=plans,
+       seed=st.integers(0, 2**16))
+def test_random_traffic_keeps_every_invariant(data, policy, mode, plan, seed):
+  run_traffic(make_scheduler(data.draw, policy, mode), plan, seed)
+
+
+@pytest.mark.parametrize("policy", scheduler_config.PREFILL_POLICIES)
+@pytest.mark.parametrize("mode", scheduler_config.PREEMPTION_MODES)
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_heavy_traffic_keeps_every_invariant(policy, mode, data, seed):
+  scheduler = make_scheduler(data.draw, policy, mode)
+  run_traffic(scheduler, heavy_plan(seed), seed)
+  event(f"preempted: {bool(scheduler.stats()['num_preemptions'])}")
+
+
+@pytest.mark.parametrize("mode", scheduler_config.PREEMPTION_MODES)
+@pytest.mark.parametrize("policy", scheduler_config.PREFILL_POLICIES)
+def test_heavy_traffic_really_preempts(policy, mode):
+  """The random tests are not vacuous: this pressure preempts in every mode and policy."""
+  config = scheduler_config.get_scheduler_config()
+  config.update(prefill_policy=policy, preemption_mode=mode, max_num_seqs=6,
+                max_num_batched_tokens=MAX_MODEL_LEN, chunk_size=16, watermark=0.0,
+                output_estimate="fixed", fixed_output_estimate=1, max_waiting=8)
+  scheduler = Scheduler(config, num_pages=1 + 64 // 4, page_size=4,
+                        max_model_len=MAX_MODEL_LEN, num_host_pages=16, clock=lambda: 0.0)
+  swap_copies = []
+  original_schedule = scheduler.schedule
+
+  def schedule_and_record():
+    out = original_schedule()
+    swap_copies.extend(out.swap_out + out.swap_in)
+    return out
+
+  scheduler.schedule = schedule_and_record
+  admitted = run_traffic(scheduler, heavy_plan(seed=1), seed=1)
+  stats = scheduler.stats()
+  assert len(admitted) >= 8 and stats["preemptions"][mode] > 0
+  assert bool(swap_copies) == (mode == "swap")
