@@ -1,0 +1,90 @@
+"""The kernel path's entry point: `ragged_paged_attention`, the reference's signature.
+
+`kvpage.attention.ragged_paged_attention` is the oracle; this function has the same
+contract plus `interpret=` and is what the jitted step calls when the model config
+says `attention_impl = "pallas"`. It picks one of two Pallas kernels:
+
+  * every sequence has (at most) one new token -> `decode_attention`, the
+    Flash-Decoding kernel that reads each KV page once per KV head;
+  * otherwise (prefill, chunked prefill, mixed batches) -> `ragged_attention`.
+
+With concrete arguments the choice is made in Python; under `jit` (the serving step,
+where lengths are traced) it is a `lax.cond`, so one compiled step serves both kinds
+of batch without retracing. A decode batch's new tokens may sit anywhere in `q` (the
+host pads token counts and sequence counts to separate buckets), so the decode path
+gathers each sequence's row by `query_start_loc` and scatters the result back;
+padding rows stay zero, as in the reference.
+"""
+
+import jax
+import jax.numpy as jnp
+
+from kvpage import attention
+from kvpage.kernels import decode_attention, ragged_attention
+
+
+def _decode_rows(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
+                 sm_scale, soft_cap, interpret):
+  """Runs the decode kernel on the one new row of each sequence, in place in `q`'s rows."""
+  num_tokens = q.shape[0]
+  starts = query_start_loc[:-1]
+  has_token = query_start_loc[1:] - starts == 1
+  rows = jnp.where(has_token, starts, num_tokens)  # num_tokens: dropped by the scatter
+  out = decode_attention.paged_decode_attention(
+      q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, block_tables=block_tables,
+      context_lens=jnp.where(has_token, context_lens, 0), sm_scale=sm_scale,
+      soft_cap=soft_cap, interpret=interpret)
+  return jnp.zeros_like(q).at[rows].set(out, mode="drop")
+
+
+def _mixed(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, sm_scale,
+           soft_cap, interpret):
+  return ragged_attention.ragged_mixed_attention(
+      q, k_pages, v_pages, block_tables=block_tables, context_lens=context_lens,
+      query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap,
+      interpret=interpret)
+
+
+def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
+                           block_tables: jax.Array, context_lens: jax.Array,
+                           query_start_loc: jax.Array, sm_scale: float | None = None,
+                           soft_cap: float | None = None, interpret: bool = False) -> jax.Array:
+  """Causal attention of a ragged batch of new tokens over a paged KV cache, in Pallas.
+
+  Args:
+    q: `[num_tokens, num_heads, head_dim]`; rows past `query_start_loc[-1]` are padding
+      and come out as zeros.
+    k_pages, v_pages: `[num_kv_heads, num_pages, page_size, head_dim]`.
+    block_tables: `i32[num_seqs, max_pages_per_seq]`, padded with the null page 0.
+    context_lens: `i32[num_seqs]`, KV length of each sequence including its new tokens.
+    query_start_loc: `i32[num_seqs + 1]`, cumulative new-token counts from 0.
+    sm_scale: score scale; defaults to `1 / sqrt(head_dim)`.
+    soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)`.
+    interpret: run the Pallas interpreter (required on CPU).
+  Returns:
+    `[num_tokens, num_heads, head_dim]` in `q.dtype`.
+  """
+  attention.validate(q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
+  if q.shape[0] == 0:
+    return q
+  operands = (q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
+              jnp.asarray(context_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32))
+  options = dict(sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret)
+  query_lens = operands[5][1:] - operands[5][:-1]
+  if not isinstance(query_lens, jax.core.Tracer):
+    if bool(jnp.all(query_lens <= 1)):
+      return _decode_rows(*operands, **options)
+    return _mixed(*operands, **options)
+  return jax.lax.cond(jnp.all(query_lens <= 1),
+                      lambda *args: _decode_rows(*args, **options),
+                      lambda *args: _mixed(*args, **options), *operands)
+
+
+def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
+                                     block_tables: jax.Array, context_lens: jax.Array,
+                                     query_start_loc: jax.Array, sm_scale: float | None = None,
+                                     soft_cap: float | None = None) -> jax.Array:
+  """The oracle both kernels are tested against: `kvpage.attention`, unchanged."""
+  return attention.ragged_paged_attention(
+      q, k_pages, v_pages, block_tables=block_tables, context_lens=context_lens,
+      query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap)

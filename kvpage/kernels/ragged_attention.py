@@ -1,0 +1,198 @@
+"""Ragged mixed attention over a paged KV cache: prefill chunks and decodes in one batch.
+
+A continuous-batching step (Orca, OSDI'22) with chunked prefill (Sarathi-Serve,
+OSDI'24) mixes sequences that bring a whole prompt, a chunk of one, or a single decode
+token. The new tokens are flattened to `[num_tokens]`; sequence `s` owns rows
+`query_start_loc[s]:query_start_loc[s + 1]`, which are the last positions of its
+`context_lens[s]`-token history, each attending causally to positions <= its own.
+
+The work is cut into **query blocks**: runs of up to `block_q` consecutive new tokens
+of one sequence. A jnp prologue lists them (`schedule_query_blocks`) so that the grid,
+`(query block, KV head)`, has a static size -- at most `num_tokens / block_q +
+num_seqs` blocks, the unused tail doing no work. Each program stacks its block's
+tokens times the GQA group into one `[block_q * group, head_dim]` query tile, walks
+its sequence's pages from position 0 up to its last token, and folds them into an
+fp32 online softmax (FlashAttention, Dao et al. 2022) under the causal mask. It
+writes its own output tile; a jnp epilogue gathers tiles back to token order, so no
+two programs ever write the same rows, and padding rows come out as zeros.
+
+This favours correctness and simplicity over peak prefill speed: KV is not split
+across programs (prefill has many query blocks to fill the GPU anyway), and a decode
+token that lands in a mixed batch takes a whole (mostly masked) query tile. Batches of
+decodes alone go to `decode_attention`, which is built for them.
+
+Layout of this file (DESIGN.md): kernel body, `pallas_call` wrapper, public jitted API,
+`*_reference` oracle. See `common.py` for the lowering choice.
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from kvpage import attention
+from kvpage.kernels import common
+
+TOKENS_PER_BLOCK = 64  # keys per loop step
+QUERY_ROWS = 64  # target rows (tokens x group) of a query tile
+NUM_SCHEDULE_FIELDS = 8  # seq, token_start, num_rows, first_position, context_len, 0, 0, 0
+
+
+def _ragged_kernel(schedule_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, *,
+                   sm_scale: float, soft_cap: float | None, pages_per_block: int,
+                   precision) -> None:
+  """One (query block, KV head): causal attention of the block's tokens to its sequence."""
+  # schedule_ref: i32[NUM_SCHEDULE_FIELDS]          this block's entry (see schedule_...)
+  # block_tables_ref: i32[num_seqs, max_pages_padded]
+  # q_ref: [num_tokens_padded, group_padded, head_dim]          this KV head's queries
+  # k_pages_ref, v_pages_ref: [num_pages, page_size, head_dim]  this KV head's pool
+  # o_ref: [block_q, group_padded, head_dim]        this block's output tile
+  seq, token_start, num_rows = schedule_ref[0], schedule_ref[1], schedule_ref[2]
+  first_position, context_len = schedule_ref[3], schedule_ref[4]
+  block_q, group, head_dim = o_ref.shape
+  _, page_size, _ = k_pages_ref.shape
+  block_k = pages_per_block * page_size
+  rows = block_q * group
+  q = q_ref[pl.ds(token_start, block_q)].reshape(rows, head_dim)
+  # Row r is token r // group of the block; its position in the sequence:
+  positions = first_position + jax.lax.broadcasted_iota(
+      jnp.int32, (block_q, group), 0).reshape(rows, 1)
+  key_offsets = jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+
+  def fold_block(block, carry):
+    pages = block_tables_ref[seq, pl.ds(block * pages_per_block, pages_per_block)]
+    k = k_pages_ref[pages].reshape(block_k, head_dim)  # [block_k, head_dim]
+    v = v_pages_ref[pages].reshape(block_k, head_dim)
+    key_positions = block * block_k + key_offsets
+    # Causal; the length bound only matters to rows past the block's last real token.
+    visible = (key_positions <= positions) & (key_positions < context_len)
+    return common.online_softmax_step(q, k, v, visible, carry, sm_scale=sm_scale,
+                                      soft_cap=soft_cap, precision=precision)
+
+  # Keys up to the block's last real token; unused grid slots have num_rows = 0.
+  num_keys = jnp.where(num_rows > 0, first_position + num_rows, 0)
+  _, denominator, acc = jax.lax.fori_loop(
+      0, common.cdiv(num_keys, block_k), fold_block, common.init_carry(rows, head_dim))
+  out = acc / jnp.where(denominator > 0, denominator, 1.0)[:, None]
+  o_ref[...] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
+
+
+def _ragged_pallas_call(schedule, block_tables, q_grouped, k_pages, v_pages, *, block_q,
+                        sm_scale, soft_cap, pages_per_block, interpret):
+  """Runs the kernel on a `(num_query_blocks, num_kv_heads)` grid.
+
+  `q_grouped` is `[num_kv_heads, num_tokens + block_q, group_padded, head_dim]` (padded
+  so every tile load is in bounds). Returns the tiles,
+  `[num_query_blocks, num_kv_heads, block_q, group_padded, head_dim]` in q's dtype.
+  """
+  num_kv_heads, num_rows_padded, group_padded, head_dim = q_grouped.shape
+  _, num_pages, page_size, _ = k_pages.shape
+  num_blocks = schedule.shape[0]
+  kernel = functools.partial(
+      _ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap, pages_per_block=pages_per_block,
+      precision=common.dot_precision(q_grouped.dtype))
+  pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h: (h, 0, 0, 0))
+  return pl.pallas_call(
+      kernel,
+      grid=(num_blocks, num_kv_heads),
+      in_specs=[
+          pl.BlockSpec((None, NUM_SCHEDULE_FIELDS), lambda b, h: (b, 0)),
+          pl.BlockSpec(block_tables.shape, lambda b, h: (0, 0)),
+          pl.BlockSpec((None, num_rows_padded, group_padded, head_dim),
+                       lambda b, h: (h, 0, 0, 0)),
+          pool_spec, pool_spec,
+      ],
+      out_specs=pl.BlockSpec((None, None, block_q, group_padded, head_dim),
+                             lambda b, h: (b, h, 0, 0, 0)),
+      out_shape=jax.ShapeDtypeStruct(
+          (num_blocks, num_kv_heads, block_q, group_padded, head_dim), q_grouped.dtype),
+      compiler_params=common.compiler_params(interpret),
+      interpret=interpret,
+      name="kvpage_ragged_paged_attention",
+  )(schedule, block_tables, q_grouped, k_pages, v_pages)
+
+
+def schedule_query_blocks(query_start_loc: jax.Array, context_lens: jax.Array,
+                          num_tokens: int, block_q: int) -> tuple[jax.Array, jax.Array]:
+  """Cuts every sequence's new tokens into blocks of at most `block_q` (traceable).
+
+  Returns `schedule i32[num_blocks, NUM_SCHEDULE_FIELDS]` with rows (seq, first token,
+  number of real tokens, position of the first token, context length, 0, 0, 0) --
+  unused rows all zero -- and `token_blocks i32[num_tokens]`, each token's flat tile
+  index `block * block_q + row` (-1 for padding tokens). `num_blocks` is static.
+  """
+  num_seqs = context_lens.shape[0]
+  num_blocks = common.cdiv(num_tokens, block_q) + num_seqs
+  query_lens = query_start_loc[1:] - query_start_loc[:-1]
+  blocks_per_seq = common.cdiv(query_lens, block_q)
+  block_ends = jnp.cumsum(blocks_per_seq)
+  first_block = block_ends - blocks_per_seq
+  block = jnp.arange(num_blocks, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(block_ends, block, side="right"), num_seqs - 1)
+  is_used = block < block_ends[-1]
+  offset = (block - first_block[seq]) * block_q  # first token's offset in its query
+  fields = [seq, query_start_loc[seq] + offset,
+            jnp.minimum(block_q, query_lens[seq] - offset),
+            context_lens[seq] - query_lens[seq] + offset, context_lens[seq]]
+  schedule = jnp.stack([jnp.where(is_used, f, 0) for f in fields], axis=1).astype(jnp.int32)
+  schedule = jnp.pad(schedule, ((0, 0), (0, NUM_SCHEDULE_FIELDS - len(fields))))
+
+  seq_ids, _ = attention.token_layout(query_start_loc, context_lens, num_tokens)
+  safe = jnp.maximum(seq_ids, 0)
+  in_query = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[safe]
+  tile = (first_block[safe] + in_query // block_q) * block_q + in_query % block_q
+  return schedule, jnp.where(seq_ids >= 0, tile, -1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q",
+                                             "pages_per_block", "interpret"))
+def ragged_mixed_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
+                           block_tables: jax.Array, context_lens: jax.Array,
+                           query_start_loc: jax.Array, sm_scale: float | None = None,
+                           soft_cap: float | None = None, block_q: int | None = None,
+                           pages_per_block: int | None = None,
+                           interpret: bool = False) -> jax.Array:
+  """Causal attention of a ragged mixed batch over a paged KV cache (one layer).
+
+  Same contract as `kvpage.attention.ragged_paged_attention` (q `[num_tokens, num_heads,
+  head_dim]`, pages `[num_kv_heads, num_pages, page_size, head_dim]`, padding rows
+  past `query_start_loc[-1]` give zeros), plus tiling overrides and `interpret`.
+  """
+  num_tokens, num_heads, head_dim = q.shape
+  num_kv_heads, _, page_size, _ = k_pages.shape
+  common.check_tiling(page_size, head_dim, interpret)
+  group = num_heads // num_kv_heads
+  group_padded = common.next_power_of_2(group)
+  if block_q is None:  # a power of two, and >= 16 rows for Triton's tl.dot
+    block_q = max(1, QUERY_ROWS // group_padded, common.MIN_DOT_DIM // group_padded)
+  if pages_per_block is None:
+    pages_per_block = common.pages_per_block(page_size, block_tables.shape[1],
+                                             TOKENS_PER_BLOCK)
+  max_pages = common.cdiv(block_tables.shape[1], pages_per_block) * pages_per_block
+  tables = jnp.pad(block_tables.astype(jnp.int32),
+                   ((0, 0), (0, max_pages - block_tables.shape[1])))
+  schedule, token_tiles = schedule_query_blocks(
+      query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32), num_tokens, block_q)
+  q_grouped = jnp.pad(common.group_queries(q, num_kv_heads, group_padded),
+                      ((0, 0), (0, block_q), (0, 0), (0, 0)))
+  tiles = _ragged_pallas_call(
+      schedule, tables, q_grouped, k_pages, v_pages, block_q=block_q,
+      sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
+      soft_cap=soft_cap, pages_per_block=pages_per_block, interpret=interpret)
+  # [blocks, kv, block_q, gp, d] -> [blocks * block_q, kv, gp, d] -> token order.
+  tiles = tiles.transpose(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, group_padded, head_dim)
+  out = tiles[jnp.maximum(token_tiles, 0), :, :group]
+  out = jnp.where((token_tiles >= 0)[:, None, None, None], out, 0)
+  return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def ragged_mixed_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
+                                     block_tables: jax.Array, context_lens: jax.Array,
+                                     query_start_loc: jax.Array, sm_scale: float | None = None,
+                                     soft_cap: float | None = None) -> jax.Array:
+  """The oracle: kvpage's reference implementation, unchanged."""
+  return attention.ragged_paged_attention(
+      q, k_pages, v_pages, block_tables=block_tables, context_lens=context_lens,
+      query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap)
