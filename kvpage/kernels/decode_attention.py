@@ -34,7 +34,9 @@ from jax.experimental import pallas as pl
 from kvpage import attention
 from kvpage.kernels import common
 
-TOKENS_PER_BLOCK = 128  # keys per loop step: a 16-page block at page size 16
+# Keys per loop step for 2-byte dtypes (8 pages of 16, as JAX's Triton paged attention);
+# halved for fp32 so the K and V tiles still fit shared memory with 2 pipeline stages.
+TOKENS_PER_BLOCK = 128
 
 
 def _decode_kernel(context_len_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
@@ -132,10 +134,12 @@ def merge_splits(acc: jax.Array, running_max: jax.Array, denominator: jax.Array)
 
 
 def decode_tiling(num_seqs: int, num_kv_heads: int, max_pages: int, page_size: int,
-                  num_splits: int | None, pages_per_block: int | None) -> tuple[int, int, int]:
+                  itemsize: int, num_splits: int | None,
+                  pages_per_block: int | None) -> tuple[int, int, int]:
   """`(pages_per_block, num_splits, pages_per_split)` for a decode batch (all static)."""
   if pages_per_block is None:
-    pages_per_block = common.pages_per_block(page_size, max_pages, TOKENS_PER_BLOCK)
+    pages_per_block = common.pages_per_block(page_size, max_pages,
+                                             TOKENS_PER_BLOCK * 2 // max(itemsize, 2))
   num_blocks = common.cdiv(max_pages, pages_per_block)
   if num_splits is None:
     num_splits = common.cdiv(common.TARGET_PROGRAMS, num_seqs * num_kv_heads)
@@ -171,7 +175,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   common.check_tiling(page_size, head_dim, interpret)
   group = num_heads // num_kv_heads
   pages_per_block, num_splits, pages_per_split = decode_tiling(
-      num_seqs, num_kv_heads, block_tables.shape[1], page_size, num_splits, pages_per_block)
+      num_seqs, num_kv_heads, block_tables.shape[1], page_size, q.dtype.itemsize, num_splits,
+      pages_per_block)
   # Pad the table to whole splits with the null page; the length mask hides those keys.
   tables = jnp.pad(block_tables.astype(jnp.int32),
                    ((0, 0), (0, num_splits * pages_per_split - block_tables.shape[1])))

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from kvpage import attention
 from kvpage.kernels import common
 
-TOKENS_PER_BLOCK = 64  # keys per loop step
+TOKENS_PER_BLOCK = 64  # keys per loop step for 2-byte dtypes (halved for fp32)
 QUERY_ROWS = 64  # target rows (tokens x group) of a query tile
 NUM_SCHEDULE_FIELDS = 8  # seq, token_start, num_rows, first_position, context_len, 0, 0, 0
 
@@ -169,7 +169,7 @@ def ragged_mixed_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     block_q = max(1, QUERY_ROWS // group_padded, common.MIN_DOT_DIM // group_padded)
   if pages_per_block is None:
     pages_per_block = common.pages_per_block(page_size, block_tables.shape[1],
-                                             TOKENS_PER_BLOCK)
+                                             TOKENS_PER_BLOCK * 2 // max(q.dtype.itemsize, 2))
   max_pages = common.cdiv(block_tables.shape[1], pages_per_block) * pages_per_block
   tables = jnp.pad(block_tables.astype(jnp.int32),
                    ((0, 0), (0, max_pages - block_tables.shape[1])))
