@@ -19,6 +19,7 @@ setuptools.setup(
         "numpy>=1.26",
         "absl-py>=2.0",
         "ml-collections>=1.0",
+        "safetensors>=0.4",
     ],
     extras_require={
         "test": [
@@ -26,6 +27,10 @@ setuptools.setup(
             "hypothesis>=6.100",
             "chex>=0.1.90",
             "ruff>=0.6",
+            # Test-time references only (parity checks), never imported by kvpage:
+            # torch 2.13.0's CPU build is the one these machines carry.
+            "torch==2.13.0",
+            "transformers>=4.45",
         ],
     },
 )

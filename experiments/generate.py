@@ -1,0 +1,93 @@
+r"""Generate tokens for a few prompts, together, through the paged cache.
+
+  python -m experiments.generate --config=configs/tiny.py --prompt_ids="1,2,3;4,5" \
+      --max_new_tokens=16
+  python -m experiments.generate --checkpoint=/path/to/hf_llama --prompt_ids="1,15043" \
+      --chunk_size=8 --temperature=0.8 --seed=1
+
+All prompts are submitted at once and decoded as one continuously batched run (the
+same scheduler, batch builder and jitted step as the server). Prints one JSON line
+per prompt: `{"prompt_ids": [...], "output_ids": [...]}`.
+"""
+
+import json
+
+from absl import flags
+from ml_collections import config_flags
+
+from experiments import build, cli
+from kvpage.request import SamplingParams
+from models import hf, llama
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", "configs/tiny.py", "Config for random weights (ignored with --checkpoint).")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face Llama checkpoint dir.")
+_PROMPT_IDS = flags.DEFINE_string("prompt_ids", "1,2,3;4,5", "Prompts: ids `,`, prompts `;`.")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate per prompt.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
+_CHUNK_SIZE = flags.DEFINE_integer("chunk_size", 0, "Prefill chunk; 0 = whole prompt.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (prompt i uses seed + i).")
+_ATTENTION = flags.DEFINE_string("attention_impl", None, "reference | pallas (default: config).")
+
+
+def parse_prompts(text: str, vocab_size: int) -> list[list[int]]:
+  """`"1,2,3;4,5"` -> `[[1, 2, 3], [4, 5]]`, checking every id against the vocabulary."""
+  prompts = []
+  for number, part in enumerate(text.split(";")):
+    try:
+      ids = [int(token) for token in part.split(",") if token.strip()]
+    except ValueError:
+      raise ValueError(f"--prompt_ids: prompt {number} ({part!r}) is not a list of "
+                       "comma-separated integers") from None
+    if not ids:
+      raise ValueError(f"--prompt_ids: prompt {number} is empty")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+      raise ValueError(f"--prompt_ids: prompt {number} has ids {bad} outside the "
+                       f"vocabulary [0, {vocab_size})")
+    prompts.append(ids)
+  return prompts
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  config = cli.load_config(_CONFIG)
+  if _CHECKPOINT.value:
+    model_config, params = hf.load(_CHECKPOINT.value)
+  else:
+    model_config = config.model
+    params = llama.random_init(model_config, config.seed)
+  if _ATTENTION.value:
+    model_config.attention_impl = _ATTENTION.value
+  if _MAX_NEW_TOKENS.value <= 0 or _PAGE_SIZE.value <= 0 or _CHUNK_SIZE.value < 0:
+    raise ValueError("--max_new_tokens and --page_size must be > 0, --chunk_size >= 0")
+  prompts = parse_prompts(_PROMPT_IDS.value, model_config.vocab_size)
+  scheduler_config = config.scheduler
+  scheduler_config.prefill_policy = "chunked" if _CHUNK_SIZE.value else "none"
+  scheduler_config.chunk_size = _CHUNK_SIZE.value
+  scheduler_config.max_num_batched_tokens = max(scheduler_config.max_num_batched_tokens,
+                                                model_config.max_seq_len)
+  scheduler_config.watermark = 0.0  # an offline batch: every prompt is meant to run
+  page_size = _PAGE_SIZE.value
+  num_pages = 1 + sum(-(-(len(p) + _MAX_NEW_TOKENS.value) // page_size) for p in prompts)
+  engine = build.llama_engine(model_config, params, scheduler_config, num_pages=num_pages,
+                              page_size=page_size)
+  requests = []
+  for i, prompt in enumerate(prompts):
+    sampling = SamplingParams(max_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
+                              top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value + i,
+                              ignore_eos=True)
+    request, answer = engine.add_request(prompt, sampling)
+    if not answer.admitted:
+      raise ValueError(f"prompt {i} rejected ({answer.status}): {answer.reason}")
+    requests.append(request)
+  engine.run_until_done()
+  for request in requests:
+    print(json.dumps({"prompt_ids": request.prompt_ids, "output_ids": request.output_ids}))
+
+
+if __name__ == "__main__":
+  cli.run(main)

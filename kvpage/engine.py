@@ -1,0 +1,112 @@
+"""The serving loop: schedule -> build batch -> execute -> update -> outputs.
+
+`Engine` joins the host world (scheduler, block manager) and the device world (an
+executor) and is model-agnostic: it speaks only `SchedulerOutput` and sampled token
+ids. An offline API in the spirit of vLLM's `LLM`: `add_request` returns the admission
+answer, `step` runs one iteration and returns each request's new tokens and whether
+it finished, `abort` ends a request, `generate` runs a batch of prompts to the end.
+"""
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Sequence
+
+from kvpage.executor import Executor
+from kvpage.request import Request, RequestStatus, SamplingParams
+from kvpage.scheduler import Admission, Scheduler
+
+MAX_IDLE_STEPS = 1000  # empty steps in a row before `generate` declares a stall
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """What one step did for one request."""
+
+  request_id: str
+  new_token_ids: list[int]
+  finished: bool
+  finish_reason: str | None
+  status: str
+
+
+class Engine:
+  """A scheduler and an executor, stepped together."""
+
+  def __init__(self, scheduler: Scheduler, executor: Executor,
+               on_step: Callable[..., None] | None = None):
+    self.scheduler = scheduler
+    self.executor = executor
+    self.on_step = on_step  # e.g. a metrics recorder: on_step(output, sampled, finished)
+    self._ids = itertools.count()
+    self.idle_steps = 0  # consecutive steps that scheduled nothing
+    self._reported: set[str] = set()  # finished in update(), not yet echoed by schedule()
+
+  @property
+  def clock(self) -> Callable[[], float]:
+    return self.scheduler.clock
+
+  def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
+                  request_id: str | None = None, priority: int = 0,
+                  arrival_time: float | None = None) -> tuple[Request, Admission]:
+    """Submits a request; the admission answer says 200 (queued) or why not."""
+    request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), sampling,
+                      priority=priority, arrival_time=arrival_time)
+    return request, self.scheduler.add_request(request)
+
+  def abort(self, request_id: str) -> bool:
+    return self.scheduler.abort(request_id)
+
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_unfinished()
+
+  def step(self) -> list[RequestOutput]:
+    """One iteration; returns an output for every request that produced or finished."""
+    output = self.scheduler.schedule()
+    self.idle_steps = self.idle_steps + 1 if output.is_empty else 0
+    sampled = self.executor.execute(output)
+    finished = self.scheduler.update(output, sampled)
+    if self.on_step is not None:
+      self.on_step(output, sampled, finished)
+    touched = {seq.request_id: seq.request for seq in output.scheduled}
+    # `output.finished` repeats requests that the previous `update` finished (and
+    # reported); only those that ended otherwise (abort, preemption) are new here.
+    for request in output.finished:
+      if request.request_id not in self._reported:
+        touched[request.request_id] = request
+      self._reported.discard(request.request_id)
+    for request in finished:
+      touched[request.request_id] = request
+      self._reported.add(request.request_id)
+    outputs = []
+    for request_id, request in touched.items():
+      done = request.status is RequestStatus.FINISHED
+      if request_id in sampled or done:
+        outputs.append(RequestOutput(
+            request_id, [sampled[request_id]] if request_id in sampled else [], done,
+            request.finish_reason, request.status.value))
+    return outputs
+
+  def generate(self, prompts: Sequence[Sequence[int]],
+               sampling: SamplingParams | Sequence[SamplingParams]) -> list[Request]:
+    """Runs `prompts` to completion together; returns their requests (outputs inside)."""
+    samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
+                 else list(sampling))
+    requests = []
+    for prompt, params in zip(prompts, samplings, strict=True):
+      request, answer = self.add_request(prompt, params)
+      if not answer.admitted:
+        for admitted in requests:
+          self.abort(admitted.request_id)
+        raise ValueError(f"prompt {len(requests)} rejected ({answer.status}): {answer.reason}")
+      requests.append(request)
+    self.run_until_done()
+    return requests
+
+  def run_until_done(self) -> None:
+    """Steps until no request is left; raises if the loop stops making progress."""
+    while self.scheduler.has_unfinished():
+      self.step()
+      if self.idle_steps > MAX_IDLE_STEPS:
+        raise RuntimeError(f"no progress in {MAX_IDLE_STEPS} steps with "
+                           f"{self.scheduler.num_waiting} waiting and "
+                           f"{self.scheduler.num_running} running requests")

@@ -1,0 +1,103 @@
+"""Executors run a `SchedulerOutput`: `JaxExecutor` on a real model over the paged cache.
+
+An executor answers one call, `execute(output) -> {request_id: sampled token}`, for
+the sequences that sample this step. The scheduler and engine never see what is
+behind it, so a simulated GPU (`kvpage.sim_executor`) can stand in for a real model.
+
+`JaxExecutor` owns the params, the device cache, a host page pool for swapping, and
+the jitted step. Swap copies run before the step, swap-outs first (a step may reuse
+pages a swap-out just vacated); the page lists are padded to power-of-two buckets
+with the null page so copies, like steps, do not recompile.
+"""
+
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from kvpage import batch as batch_lib
+from kvpage import paged_cache
+from kvpage.scheduler_output import SchedulerOutput
+from kvpage.step import ForwardFn, Step
+
+
+class Executor(Protocol):
+  """What the engine needs from an executor."""
+
+  def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
+
+
+def _gather_pages(cache: paged_cache.PagedKVCache, pages: jax.Array):
+  return cache.k_pages[:, :, pages], cache.v_pages[:, :, pages]
+
+
+def _scatter_pages(cache: paged_cache.PagedKVCache, pages: jax.Array, k: jax.Array,
+                   v: jax.Array) -> paged_cache.PagedKVCache:
+  return cache.replace(k_pages=cache.k_pages.at[:, :, pages].set(k),
+                       v_pages=cache.v_pages.at[:, :, pages].set(v))
+
+
+class JaxExecutor:
+  """A model's forward function, its params and a paged cache behind the executor protocol."""
+
+  def __init__(self, forward: ForwardFn, params: Any, cache: paged_cache.PagedKVCache, *,
+               num_host_pages: int = 0):
+    self.params = params
+    self.cache = cache
+    self.step = Step(forward)
+    shape = (cache.num_layers, cache.num_kv_heads, num_host_pages, cache.page_size,
+             cache.head_dim)
+    self.host_k = np.zeros(shape, cache.dtype)
+    self.host_v = np.zeros(shape, cache.dtype)
+    self._gather = jax.jit(_gather_pages)
+    self._scatter = jax.jit(_scatter_pages, donate_argnums=0)
+    self.num_steps = 0
+
+  @property
+  def page_size(self) -> int:
+    return self.cache.page_size
+
+  @property
+  def num_compiles(self) -> int:
+    return self.step.num_compiles
+
+  def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    self.swap_out(output.swap_out)
+    self.swap_in(output.swap_in)
+    if not output.scheduled:
+      return {}
+    batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size)
+    tokens, self.cache = self.step(self.params, self.cache, batch, info.all_greedy)
+    self.num_steps += 1
+    return {request_id: int(token) for request_id, token, samples
+            in zip(info.request_ids, tokens, info.samples) if samples}
+
+  def swap_out(self, copies: list[tuple[int, int]]) -> None:
+    """Copies device pages to host pages: `[(device_page, host_page), ...]`."""
+    if not copies:
+      return
+    device_pages = self._padded([device for device, _ in copies])
+    k, v = jax.device_get(self._gather(self.cache, device_pages))
+    host_pages = [host for _, host in copies]
+    self.host_k[:, :, host_pages] = k[:, :, :len(copies)]
+    self.host_v[:, :, host_pages] = v[:, :, :len(copies)]
+
+  def swap_in(self, copies: list[tuple[int, int]]) -> None:
+    """Copies host pages back to device pages: `[(host_page, device_page), ...]`."""
+    if not copies:
+      return
+    device_pages = self._padded([device for _, device in copies])
+    size = len(device_pages)
+    k = np.zeros((*self.host_k.shape[:2], size, *self.host_k.shape[3:]), self.host_k.dtype)
+    v = np.zeros_like(k)
+    host_pages = [host for host, _ in copies]
+    k[:, :, :len(copies)] = self.host_k[:, :, host_pages]
+    v[:, :, :len(copies)] = self.host_v[:, :, host_pages]
+    # Padding rows write zeros into the null page, which no real token reads.
+    self.cache = self._scatter(self.cache, device_pages, k, v)
+
+  @staticmethod
+  def _padded(pages: list[int]) -> np.ndarray:
+    padded = np.full(batch_lib.page_bucket(len(pages)), paged_cache.NULL_PAGE, np.int32)
+    padded[:len(pages)] = pages
+    return padded

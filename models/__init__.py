@@ -1,0 +1,1 @@
+"""Model definitions and checkpoint loading. Models import kvpage; kvpage never imports models."""

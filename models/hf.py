@@ -1,0 +1,146 @@
+"""Load a Hugging Face Llama checkpoint directory into a kvpage model config and params.
+
+A checkpoint directory holds `config.json` and either `model.safetensors` or shards
+listed in `model.safetensors.index.json`. Tensors are read with safetensors (no torch)
+and mapped by name onto `models.llama`'s parameter tree: HF stores linear weights as
+`[out, in]`, Flax as `[in, out]`, so projections are transposed. Every tensor is
+checked against the shape the config implies; problems raise `CheckpointError` (a
+ValueError) that names the file, the tensor and the mismatch.
+"""
+
+import json
+import pathlib
+from typing import Any
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import safetensors
+
+from configs import base
+from kvpage import paged_cache
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+_HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+class CheckpointError(ValueError):
+  """A checkpoint that cannot be loaded as it is; the message says why."""
+
+
+def _read_json(path: pathlib.Path) -> dict:
+  try:
+    return json.loads(path.read_text())
+  except FileNotFoundError:
+    raise CheckpointError(f"{path} is missing") from None
+  except json.JSONDecodeError as error:
+    raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+
+
+def model_config_from_hf(hf: dict, dtype: str | None = None) -> ml_collections.ConfigDict:
+  """kvpage's `model` config section from a Hugging Face `config.json` dict."""
+  architectures = hf.get("architectures") or [hf.get("model_type", "?")]
+  if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+    raise CheckpointError(f"unsupported architecture {architectures}; kvpage loads "
+                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+  for flag in ("attention_bias", "mlp_bias"):
+    if hf.get(flag):
+      raise CheckpointError(f"unsupported: {flag}=true (kvpage's Llama has no biases)")
+  if hf.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(f"unsupported hidden_act {hf['hidden_act']!r}; only silu")
+  config = base.model_config("tiny", dtype or _HF_DTYPES.get(
+      hf.get("torch_dtype") or hf.get("dtype") or "float32", "fp32"))
+  num_heads = hf["num_attention_heads"]
+  config.update(dict(
+      name=hf.get("_name_or_path") or "hf-llama", num_layers=hf["num_hidden_layers"],
+      num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+      d_model=hf["hidden_size"], ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get(
+          "rope_theta", 10000.0)), norm_eps=float(hf["rms_norm_eps"]),
+      max_seq_len=hf.get("max_position_embeddings", 2048), source="Hugging Face config.json"))
+  # transformers >= 5 writes `rope_parameters` (theta inside); older ones `rope_scaling`.
+  scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  rope_type = scaling.get("rope_type", scaling.get("type"))
+  if rope_type not in (None, "default", "llama3"):
+    raise CheckpointError(f"unsupported rope_scaling type {rope_type!r}; kvpage supports "
+                          "default and llama3")
+  if rope_type == "llama3":
+    config.rope_scaling.update(dict(
+        enabled=True, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
+        high_freq_factor=scaling["high_freq_factor"],
+        original_max_seq_len=scaling["original_max_position_embeddings"]))
+  return config
+
+
+def _expected_tensors(c: ml_collections.ConfigDict) -> dict[str, tuple[tuple, tuple]]:
+  """HF tensor name -> (HF shape, path in kvpage's param tree)."""
+  d, hd = c.d_model, c.head_dim
+  tensors = {"model.embed_tokens.weight": ((c.vocab_size, d), ("embed_tokens", "embedding")),
+             "model.norm.weight": ((d,), ("norm", "weight"))}
+  if not c.tie_embeddings:
+    tensors["lm_head.weight"] = ((c.vocab_size, d), ("lm_head", "kernel"))
+  per_layer = {
+      "self_attn.q_proj": (c.num_heads * hd, d), "self_attn.k_proj": (c.num_kv_heads * hd, d),
+      "self_attn.v_proj": (c.num_kv_heads * hd, d), "self_attn.o_proj": (d, c.num_heads * hd),
+      "mlp.gate_proj": (c.ffn_dim, d), "mlp.up_proj": (c.ffn_dim, d),
+      "mlp.down_proj": (d, c.ffn_dim)}
+  for i in range(c.num_layers):
+    for name, shape in per_layer.items():
+      tensors[f"model.layers.{i}.{name}.weight"] = (shape, (f"layers_{i}", *name.split("."),
+                                                            "kernel"))
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+      tensors[f"model.layers.{i}.{norm}.weight"] = ((d,), (f"layers_{i}", norm, "weight"))
+  return tensors
+
+
+def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
+  """Tensor name -> safetensors file, for single-file and sharded checkpoints."""
+  index = directory / "model.safetensors.index.json"
+  if index.exists():
+    weight_map = _read_json(index).get("weight_map", {})
+    return {name: directory / shard for name, shard in weight_map.items()}
+  single = directory / "model.safetensors"
+  if not single.exists():
+    raise CheckpointError(f"{directory} has neither model.safetensors nor "
+                          "model.safetensors.index.json")
+  with safetensors.safe_open(single, framework="numpy") as f:
+    return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def load(checkpoint_dir: str | pathlib.Path,
+         dtype: str | None = None) -> tuple[ml_collections.ConfigDict, dict[str, Any]]:
+  """`(model config, params)` from a Hugging Face Llama checkpoint directory.
+
+  `dtype` (`fp32`, `bf16`, `fp16`) converts the weights; default: the checkpoint's.
+  """
+  directory = pathlib.Path(checkpoint_dir)
+  if not directory.is_dir():
+    raise CheckpointError(f"checkpoint directory {directory} does not exist")
+  config = model_config_from_hf(_read_json(directory / "config.json"), dtype)
+  target = paged_cache.jnp_dtype(config.dtype)
+  files = _tensor_files(directory)
+  params: dict[str, Any] = {}
+  for name, (shape, path) in _expected_tensors(config).items():
+    if name not in files:
+      raise CheckpointError(f"tensor {name} is missing from {directory}")
+    if not files[name].exists():
+      raise CheckpointError(f"shard {files[name]} (holding {name}) is missing")
+    with safetensors.safe_open(files[name], framework="flax") as f:
+      tensor = f.get_tensor(name)
+    if tuple(tensor.shape) != shape:
+      raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json "
+                            f"implies {shape}")
+    value = jnp.asarray(tensor, target)
+    node = params
+    for key in path[:-1]:
+      node = node.setdefault(key, {})
+    node[path[-1]] = value.T if path[-1] == "kernel" else value
+  return config, params
+
+
+def params_to_numpy(params: dict[str, Any]) -> dict[str, Any]:
+  """A host copy of a param tree (handy for comparisons in tests)."""
+  return {k: params_to_numpy(v) if isinstance(v, dict) else np.asarray(v)
+          for k, v in params.items()}

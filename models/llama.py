@@ -1,0 +1,140 @@
+"""A Llama-family decoder over kvpage's paged KV cache, in Flax (linen).
+
+RMSNorm, rotary embeddings (optionally Llama 3 scaled), grouped-query attention,
+SwiGLU, tied or untied embeddings — Llama 2 and 3 (Touvron et al. 2023; Meta 2024).
+Parameter names mirror Hugging Face's `LlamaForCausalLM` so `models.hf` maps a
+checkpoint by name.
+
+The forward pass serves one ragged mixed batch (`kvpage.batch.StepBatch`): prefill
+chunks and decode tokens flattened to `[num_tokens]`. Each layer writes its new keys
+and values into the cache through the slot mapping, then attends through the block
+tables with the attention chosen by `config.attention_impl`. Only the rows that
+sample (`logits_indices`) go through the LM head.
+"""
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from kvpage import attention, paged_cache
+from kvpage import batch as batch_lib
+from models import rope
+
+
+def _attention_fn(impl: str):
+  if impl == "reference":
+    return attention.ragged_paged_attention
+  if impl == "pallas":
+    from kvpage.kernels import paged_attention as kernels  # Imported only when chosen.
+
+    interpret = jax.default_backend() == "cpu"
+    return lambda *args, **kwargs: kernels.ragged_paged_attention(
+        *args, interpret=interpret, **kwargs)
+  raise ValueError(f"unknown attention_impl {impl!r}; choose one of: reference, pallas")
+
+
+class RMSNorm(nn.Module):
+  """Root-mean-square norm, computed in fp32 as the reference implementation does."""
+
+  eps: float
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    scale = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return scale * normed.astype(self.dtype)
+
+
+def _dense(features: int, name: str, dtype: Any) -> nn.Dense:
+  return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name,
+                  kernel_init=nn.initializers.normal(0.02))
+
+
+class Attention(nn.Module):
+  config: ml_collections.ConfigDict
+  layer: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, cache: paged_cache.PagedKVCache,
+               batch: Any) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+    c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
+    num_tokens = x.shape[0]
+    q = _dense(c.num_heads * c.head_dim, "q_proj", dtype)(x).reshape(
+        num_tokens, c.num_heads, c.head_dim)
+    k = _dense(c.num_kv_heads * c.head_dim, "k_proj", dtype)(x).reshape(
+        num_tokens, c.num_kv_heads, c.head_dim)
+    v = _dense(c.num_kv_heads * c.head_dim, "v_proj", dtype)(x).reshape(
+        num_tokens, c.num_kv_heads, c.head_dim)
+    inv_freq = rope.inverse_frequencies(c.head_dim, c.rope_theta, c.get("rope_scaling"))
+    q = rope.apply(q, batch.positions, inv_freq)
+    k = rope.apply(k, batch.positions, inv_freq)
+    cache = paged_cache.write(cache, self.layer, k, v, batch.slot_mapping)
+    out = _attention_fn(c.attention_impl)(
+        q.astype(cache.dtype), cache.k_pages[self.layer], cache.v_pages[self.layer],
+        block_tables=batch.block_tables, context_lens=batch.context_lens,
+        query_start_loc=batch.query_start_loc)
+    out = out.astype(dtype).reshape(num_tokens, c.num_heads * c.head_dim)
+    return _dense(c.d_model, "o_proj", dtype)(out), cache
+
+
+class MLP(nn.Module):
+  config: ml_collections.ConfigDict
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
+    gate = _dense(c.ffn_dim, "gate_proj", dtype)(x)
+    up = _dense(c.ffn_dim, "up_proj", dtype)(x)
+    return _dense(c.d_model, "down_proj", dtype)(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+  config: ml_collections.ConfigDict
+  layer: int
+
+  @nn.compact
+  def __call__(self, x, cache, batch):
+    c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
+    h, cache = Attention(c, self.layer, name="self_attn")(
+        RMSNorm(c.norm_eps, dtype, name="input_layernorm")(x), cache, batch)
+    x = x + h
+    x = x + MLP(c, name="mlp")(RMSNorm(c.norm_eps, dtype, name="post_attention_layernorm")(x))
+    return x, cache
+
+
+class Llama(nn.Module):
+  """`(token ids, cache, batch) -> (logits of the sampled rows, updated cache)`."""
+
+  config: ml_collections.ConfigDict
+
+  @nn.compact
+  def __call__(self, cache: paged_cache.PagedKVCache,
+               batch: Any) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+    c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
+    embed = nn.Embed(c.vocab_size, c.d_model, dtype=dtype, param_dtype=dtype,
+                     embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
+    x = embed(batch.token_ids)
+    for layer in range(c.num_layers):
+      x, cache = DecoderLayer(c, layer, name=f"layers_{layer}")(x, cache, batch)
+    x = RMSNorm(c.norm_eps, dtype, name="norm")(x[batch.logits_indices])
+    logits = embed.attend(x) if c.tie_embeddings else _dense(c.vocab_size, "lm_head", dtype)(x)
+    return logits.astype(jnp.float32), cache
+
+
+def forward(params: Any, cache: paged_cache.PagedKVCache, batch: Any, *,
+            config: ml_collections.ConfigDict) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+  """The step's model function: `f32[num_seqs, vocab]` logits and the updated cache."""
+  return Llama(config).apply({"params": params}, cache, batch)
+
+
+def random_init(config: ml_collections.ConfigDict, seed: int = 0) -> Any:
+  """Random parameters for `config` (a model section), so any config runs without weights."""
+  example = batch_lib.example_batch(num_tokens=1, num_seqs=1, max_pages_per_seq=1)
+  cache = paged_cache.init(config, num_pages=2, page_size=1)
+  variables = jax.jit(Llama(config).init)(jax.random.PRNGKey(seed), cache, example)
+  return variables["params"]

@@ -1,0 +1,107 @@
+"""The jitted step never recompiles in steady state; sampling is pure and reproducible."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from configs import scheduler as scheduler_lib
+from configs import tiny
+from experiments import build
+from kvpage import batch as batch_lib
+from kvpage import sampling
+from kvpage.request import Request, SamplingParams
+from kvpage.scheduler_output import ScheduledSequence
+from models import llama
+
+MODEL = tiny.get_config().model
+
+
+@pytest.fixture(scope="module")
+def params():
+  return llama.random_init(MODEL, seed=0)
+
+
+def tiny_engine(params, **kwargs):
+  return build.llama_engine(MODEL, params, scheduler_lib.get_scheduler_config(),
+                            num_pages=128, page_size=16, **kwargs)
+
+
+def test_steady_state_decoding_never_recompiles(params):
+  engine = tiny_engine(params)
+  prompts = [[1 + i, 2, 3, 4 + i] for i in range(5)]
+  engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+  compiles = engine.executor.num_compiles
+  # A second batch whose sizes fall in the same buckets (<= 8 tokens/seqs for decode,
+  # prompts within one page): no new trace.
+  engine.generate([[9, 8, 7, 6]] * 5, SamplingParams(max_tokens=12, ignore_eos=True))
+  assert engine.executor.num_compiles == compiles
+  # A different bucket does compile (the counter can move).
+  engine.generate([list(range(1, 40))], SamplingParams(max_tokens=2, ignore_eos=True))
+  assert engine.executor.num_compiles > compiles
+
+
+def test_seeded_sampling_is_reproducible_and_temperature_zero_is_greedy(params):
+  prompts = [[5, 6, 7], [8, 9, 10, 11]]
+  hot = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, top_k=50, seed=123,
+                       ignore_eos=True)
+  first = [r.output_ids for r in tiny_engine(params).generate(prompts, hot)]
+  again = [r.output_ids for r in tiny_engine(params).generate(prompts, hot)]
+  assert first == again
+  other = SamplingParams(**{**vars(hot), "seed": 124})
+  assert [r.output_ids for r in tiny_engine(params).generate(prompts, other)] != first
+  greedy = tiny_engine(params).generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+  cold = tiny_engine(params).generate(prompts, SamplingParams(
+      max_tokens=10, temperature=0.0, top_k=5, seed=9, ignore_eos=True))
+  assert [r.output_ids for r in greedy] == [r.output_ids for r in cold]
+
+
+def sampling_rows(num_rows, **fields):
+  defaults = dict(temperature=1.0, top_k=0, top_p=1.0, seeds=0, sample_index=0)
+  defaults.update(fields)
+  dtypes = dict(temperature=jnp.float32, top_p=jnp.float32, top_k=jnp.int32,
+                seeds=jnp.uint32, sample_index=jnp.int32)
+  return types.SimpleNamespace(**{
+      key: jnp.broadcast_to(jnp.asarray(value, dtypes[key]), (num_rows,))
+      for key, value in defaults.items()})
+
+
+def test_top_k_and_top_p_restrict_the_support():
+  logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 400))
+  rows = jnp.arange(400, dtype=jnp.int32)
+  draw = lambda **kw: np.asarray(sampling.sample(
+      logits, sampling_rows(400, sample_index=rows, **kw), all_greedy=False))
+  assert set(draw(top_k=2)) == {0, 1}
+  assert set(draw(top_p=0.7)) == {0, 1}  # 0.5 + 0.3 reaches 0.7
+  assert set(draw(top_k=1)) == {0}
+  assert set(draw()) == {0, 1, 2, 3}
+  counts = np.bincount(draw(), minlength=4) / 400
+  np.testing.assert_allclose(counts, [0.5, 0.3, 0.15, 0.05], atol=0.08)
+  greedy = sampling.sample(logits, sampling_rows(400, temperature=0.0), all_greedy=False)
+  assert not np.any(np.asarray(greedy))
+
+
+def test_batch_padding_points_at_the_null_page():
+  request = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, seed=7))
+  seq = ScheduledSequence("a", [1, 2, 3, 4, 5], 0, [3, 9], True, True, request)
+  batch, info = batch_lib.build([seq], page_size=4)
+  assert batch.token_ids.shape == (8,) and batch.block_tables.shape == (1, 2)
+  np.testing.assert_array_equal(batch.slot_mapping, [12, 13, 14, 15, 36, 0, 0, 0])
+  np.testing.assert_array_equal(batch.query_start_loc, [0, 5])
+  assert batch.context_lens[0] == 5 and batch.logits_indices[0] == 4 and batch.seeds[0] == 7
+  assert info.samples == [True] and info.all_greedy
+  too_long = ScheduledSequence("a", [1] * 9, 0, [3, 9], True, True, request)
+  with pytest.raises(ValueError, match="do not fit"):
+    batch_lib.build([too_long], page_size=4)
+  with pytest.raises(ValueError, match="exceeds the largest bucket"):
+    batch_lib.bucket(10**6, batch_lib.TOKEN_BUCKETS, "num_tokens")
+
+
+def test_step_donates_the_cache(params):
+  engine = tiny_engine(params)
+  before = engine.executor.cache.k_pages
+  engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
+  assert before.is_deleted()  # donated into the step, updated in place
+  assert isinstance(engine.executor.cache.k_pages, jax.Array)
