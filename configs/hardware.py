@@ -24,11 +24,17 @@ class HardwareSpec:
   hbm_bandwidth: float
   peak_flops: float
   source: str
+  host_link_bandwidth: float = 25e9
   compute_efficiency: float = 0.6
   bandwidth_efficiency: float = 0.8
+  step_overhead_s: float = 1e-3
   efficiency_source: str = (
       "templates: ~60% of dense tensor-core peak for large GEMMs and ~80% of peak HBM "
-      "bandwidth for streaming kernels are typical measured fractions; re-measure."
+      "bandwidth for streaming kernels are typical measured fractions (e.g. the "
+      "FlashAttention-2 paper reports 50-73% of A100 peak; STREAM-like copies reach 80-90% "
+      "of HBM peak); ~1 ms per step of launch and framework overhead and ~25 GB/s of "
+      "usable host<->device bandwidth (PCIe Gen4 x16, 32 GB/s peak) are likewise "
+      "templates to re-measure on the target machine."
   )
 
 
@@ -61,6 +67,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             peak_flops=989.4e12,
             source="NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB: 3.35 TB/s HBM3, "
             "1,979 TFLOPS FP16/BF16 with sparsity = 989.4 dense); nvidia-smi total 81,559 MiB",
+            host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s peak
         ),
         HardwareSpec(
             name="h200_141gb",
@@ -70,6 +77,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             peak_flops=989.4e12,
             source="NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB: 4.8 TB/s HBM3e, "
             "1,979 TFLOPS FP16/BF16 with sparsity = 989.4 dense); nvidia-smi total 143,771 MiB",
+            host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s peak
         ),
         HardwareSpec(
             name="cpu",
@@ -80,8 +88,10 @@ HARDWARE: dict[str, HardwareSpec] = {
             source="this project's 2-core AVX-512 dev machine (shared/JAX-NOTES.md): 24 GiB, "
             "~41 GB/s measured for a 1 GiB numpy copy; peak FLOP/s is an estimate "
             "(2 cores x 2 FMA x 16 fp32 lanes x 2 x ~2.5 GHz)",
+            host_link_bandwidth=20e9,  # a host "swap" is a memcpy here
             compute_efficiency=0.3,
             bandwidth_efficiency=0.7,
+            step_overhead_s=2e-4,
         ),
     )
 }

@@ -1,22 +1,27 @@
-"""Wiring: a model, its params and a scheduler config into an `Engine`.
+"""Wiring: a model (or a simulated GPU) and a scheduler config into an `Engine`.
 
 kvpage is model-agnostic and models import kvpage, so the two meet here, in the
 experiments layer: `llama_engine` closes the model's forward over its config, puts
-it behind a `JaxExecutor` with a paged cache, and pairs it with a `Scheduler`.
+it behind a `JaxExecutor` with a paged cache, and pairs it with a `Scheduler`;
+`sim_engine` pairs the very same `Scheduler` with a `SimExecutor` on virtual time.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import ml_collections
 
-from kvpage import paged_cache
-from kvpage.clock import WallClock
+from configs.hardware import HardwareSpec
+from kvpage import capacity, paged_cache
+from kvpage.clock import VirtualClock, WallClock
 from kvpage.engine import Engine
 from kvpage.executor import JaxExecutor
 from kvpage.scheduler import Scheduler
-from models import llama
+from kvpage.sim_executor import Roofline, SimExecutor
+from models import hf, llama
 
 
 def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
@@ -33,3 +38,57 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                         max_model_len=model_config.max_seq_len,
                         num_host_pages=num_host_pages, clock=clock or WallClock())
   return Engine(scheduler, executor, on_step=on_step)
+
+
+def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
+               scheduler_config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
+               kv_dtype: str | None = None, num_host_pages: int = 0) -> Engine:
+  """An engine over a simulated GPU: the same scheduler, a roofline executor, virtual time."""
+  clock = VirtualClock()
+  roofline = Roofline(capacity.ModelShape.from_config(model_config), hardware,
+                      weight_dtype=model_config.dtype, kv_dtype=kv_dtype, page_size=page_size)
+  scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
+                        max_model_len=model_config.max_seq_len, num_host_pages=num_host_pages,
+                        clock=clock)
+  return Engine(scheduler, SimExecutor(roofline, clock))
+
+
+def sim_pool_pages(model_config: ml_collections.ConfigDict, hardware: HardwareSpec, *,
+                   page_size: int, kv_dtype: str | None = None) -> int:
+  """Pages (null page included) that the device holds after the weights: `kvpage.capacity`."""
+  plan = capacity.plan(capacity.ModelShape.from_config(model_config), seq_len=page_size,
+                       memory_bytes=hardware.memory_bytes, weight_dtype=model_config.dtype,
+                       kv_dtype=kv_dtype, block_size=page_size)
+  return plan.pool_pages + 1
+
+
+@dataclasses.dataclass
+class ServingSetup:
+  engine: Engine
+  config: ml_collections.ConfigDict
+  num_pages: int
+  hardware_record: dict[str, Any]
+
+
+def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware: HardwareSpec,
+                   checkpoint: str | None = None, num_pages: int = 0) -> ServingSetup:
+  """The engine `serve_bench` runs: real (`jax`, random weights or a checkpoint) or `sim`."""
+  page_size, host_pages = config.cache.page_size, config.scheduler.num_host_pages
+  if executor == "sim":
+    num_pages = num_pages or sim_pool_pages(config.model, hardware, page_size=page_size,
+                                            kv_dtype=config.cache.kv_dtype)
+    engine = sim_engine(config.model, hardware, config.scheduler, num_pages=num_pages,
+                        page_size=page_size, kv_dtype=config.cache.kv_dtype,
+                        num_host_pages=host_pages)
+    return ServingSetup(engine, config, num_pages, dataclasses.asdict(hardware))
+  if checkpoint:
+    model_config, params = hf.load(checkpoint)
+    config.model = model_config
+  else:
+    params = llama.random_init(config.model, config.seed)
+  num_pages = num_pages or config.cache.num_pages
+  engine = llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
+                        page_size=page_size, num_host_pages=host_pages)
+  device = jax.devices()[0]
+  return ServingSetup(engine, config, num_pages,
+                      dict(name=f"{device.platform} (real run)", device=str(device)))

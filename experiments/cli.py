@@ -34,6 +34,15 @@ def load_config(holder: flags.FlagHolder):
     sys.exit(f"error: cannot load --{holder.name}: {_last_line(error)}")
 
 
+def enable_compilation_cache(directory: str | None) -> None:
+  """Keeps compiled XLA programs on disk, so a second run skips compilation."""
+  if directory:
+    import jax  # Imported here: entry points without jax (capacity) stay jax-free.
+
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
 def run(main: Callable[[list[str]], None]) -> None:
   """`app.run(main)`, with flag errors and `ValueError`s reported in one line."""
 

@@ -1,0 +1,142 @@
+"""Serving metrics: per request, per step, and a summary that carries its premises.
+
+Pressure on a server comes from long inputs, long outputs or the scheduling policy,
+and each leaves a different trace. Per request: queue wait (arrival to first
+scheduled), time to first token (TTFT), time per output token after the first
+(TPOT), inter-token latencies and end-to-end latency. Per step: running, waiting and
+swapped requests, KV usage, prompt and generated tokens batched, preemptions by mode
+and rejections by status. The summary gives p50/p90/p99, prompt and generated
+tokens/s, and goodput under an optional TTFT/TPOT SLO (DistServe, OSDI'24).
+
+`MetricsRecorder.on_step` plugs into `Engine(on_step=...)`; it reads the scheduler's
+counters and the clock, never the device. Written as JSONL time series plus one
+summary JSON with the premises (model, dtype, lengths, policies, hardware, versions).
+"""
+
+import collections
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpage.request import Request, RequestStatus
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+  """p50/p90/p99/mean/max of `values` (None for an empty list)."""
+  if not len(values):
+    return dict(p50=None, p90=None, p99=None, mean=None, max=None)
+  array = np.asarray(values, np.float64)
+  p50, p90, p99 = np.percentile(array, [50, 90, 99])
+  return dict(p50=float(p50), p90=float(p90), p99=float(p99), mean=float(array.mean()),
+              max=float(array.max()))
+
+
+def _first_event(request: Request, kind: str) -> float | None:
+  return next((event.time for event in request.events if event.kind == kind), None)
+
+
+class MetricsRecorder:
+  """Collects step rows and token timestamps while an engine runs."""
+
+  def __init__(self, scheduler: Any, clock: Callable[[], float]):
+    self.scheduler = scheduler
+    self.clock = clock
+    self.requests: list[Request] = []
+    self.steps: list[dict[str, Any]] = []
+    self.token_times: dict[str, list[float]] = collections.defaultdict(list)
+    self._last = dict(preemptions={}, rejections={})
+    self.start_time = clock()
+
+  def track(self, request: Request) -> None:
+    """Registers a submitted request (admitted or not)."""
+    self.requests.append(request)
+
+  def on_step(self, output: Any, sampled: dict[str, int], finished: list[Request]) -> None:
+    del finished  # Read from the requests themselves.
+    now = self.clock()
+    stats = self.scheduler.stats()
+    row = dict(step=output.step, time=now - self.start_time,
+               num_running=stats["num_running"], num_waiting=stats["num_waiting"],
+               num_swapped=stats["num_swapped"], kv_usage=stats["kv_usage"],
+               num_free_pages=stats["num_free_pages"],
+               prompt_tokens=output.num_prefill_tokens, generated_tokens=len(sampled),
+               num_seqs=len(output.scheduled), swap_pages=len(output.swap_out) + len(
+                   output.swap_in))
+    for key in ("preemptions", "rejections"):
+      row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
+      self._last[key] = dict(stats[key])
+    self.steps.append(row)
+    for request_id in sampled:
+      self.token_times[request_id].append(now)
+
+  def request_rows(self) -> list[dict[str, Any]]:
+    """Per-request latencies (seconds) and outcome."""
+    rows = []
+    for request in self.requests:
+      arrival = request.arrival_time
+      scheduled, first = _first_event(request, "scheduled"), _first_event(request, "first_token")
+      done = _first_event(request, "finished") if request.is_finished else None
+      times = self.token_times.get(request.request_id, [])
+      gaps = np.diff(times).tolist() if len(times) > 1 else []
+      rejected = next((e.detail.get("status") for e in request.events if e.kind == "rejected"),
+                      None)
+      tpot = ((done - first) / (request.num_output_tokens - 1)
+              if done is not None and first is not None and request.num_output_tokens > 1
+              else None)
+      rows.append(dict(
+          request_id=request.request_id, priority=request.priority,
+          prompt_tokens=request.num_prompt_tokens, output_tokens=request.num_output_tokens,
+          status=request.status.value, finish_reason=request.finish_reason,
+          rejected_status=rejected, arrival=arrival - self.start_time,
+          queue_wait_s=None if scheduled is None else scheduled - arrival,
+          ttft_s=None if first is None else first - arrival, tpot_s=tpot,
+          e2e_s=None if done is None else done - arrival, itl_s=gaps,
+          num_preemptions=getattr(request, "num_preemptions", 0)))
+    return rows
+
+  def summary(self, premises: dict[str, Any], slo_ttft_s: float | None = None,
+              slo_tpot_s: float | None = None) -> dict[str, Any]:
+    """The summary record: counts, latency percentiles, throughput, goodput, premises."""
+    rows = self.request_rows()
+    stats = self.scheduler.stats()
+    done = [r for r in rows if r["status"] == RequestStatus.FINISHED.value
+            and r["finish_reason"] in ("length", "stop")]
+    end = self.clock() - self.start_time
+    duration = max(end, 1e-9)
+    good = [r for r in done if (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)
+            and (slo_tpot_s is None or r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s)]
+    rejections = {str(k): v for k, v in stats["rejections"].items()}
+    return dict(
+        num_requests=len(rows), num_admitted=stats["num_admitted"], num_finished=len(done),
+        num_aborted=sum(r["finish_reason"] in ("aborted", "preempted") for r in rows),
+        rejections=rejections, num_rejected=sum(rejections.values()),
+        num_preemptions=stats["num_preemptions"],
+        preemptions={str(k): v for k, v in stats["preemptions"].items()},
+        max_kv_usage=max((s["kv_usage"] for s in self.steps), default=0.0),
+        pages_total=stats["num_usable_pages"], pages_free_at_end=stats["num_free_pages"],
+        num_steps=len(self.steps), duration_s=end,
+        queue_wait_s=percentiles([r["queue_wait_s"] for r in done]),
+        ttft_s=percentiles([r["ttft_s"] for r in done]),
+        tpot_s=percentiles([r["tpot_s"] for r in done if r["tpot_s"] is not None]),
+        itl_s=percentiles([gap for r in done for gap in r["itl_s"]]),
+        e2e_s=percentiles([r["e2e_s"] for r in done]),
+        prompt_tokens_per_s=sum(r["prompt_tokens"] for r in done) / duration,
+        output_tokens_per_s=sum(r["output_tokens"] for r in done) / duration,
+        prefill_tokens_computed=sum(s["prompt_tokens"] for s in self.steps),
+        slo=dict(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s),
+        goodput_requests_per_s=len(good) / duration,
+        goodput_fraction=len(good) / len(rows) if rows else 0.0,
+        premises=premises)
+
+  def write(self, workdir: str | pathlib.Path, summary: dict[str, Any]) -> None:
+    """`steps.jsonl`, `requests.jsonl` and `summary.json` under `workdir`."""
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    with open(workdir / "steps.jsonl", "w") as f:
+      f.writelines(json.dumps(row) + "\n" for row in self.steps)
+    with open(workdir / "requests.jsonl", "w") as f:
+      f.writelines(json.dumps(row) + "\n" for row in self.request_rows())
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,0 +1,97 @@
+"""A simulated GPU: a roofline cost model of one step, on a virtual clock.
+
+`SimExecutor` runs no model. For each `SchedulerOutput` it prices the step on a
+configured device and advances a `VirtualClock` by that many seconds, then emits a
+dummy token for every sequence that samples, so requests run to their target length
+(`max_tokens` with `ignore_eos`). The scheduler cannot tell it from a real model:
+this is how the 13B setup runs on a laptop, in seconds, with the very same policy
+code that serves real traffic.
+
+The roofline (Williams et al., CACM 2009): a step takes the longer of
+  * compute: 2 x parameters x tokens (every weight multiplies every token once, a
+    multiply-add = 2 FLOPs) plus attention, 4 x layers x heads x head_dim FLOPs for
+    each (query, key) pair, over peak FLOP/s x compute efficiency;
+  * memory: the weights read once per step, every context token's keys and values
+    read, the new tokens' keys and values written, over HBM bandwidth x efficiency;
+plus a fixed per-step overhead, plus swap copies over the host link. Prefill (many
+tokens, one pass over the weights) comes out compute-bound and decode (one token
+per sequence, every weight and KV byte re-read) bandwidth-bound, as in the mission.
+"""
+
+import dataclasses
+
+from configs.hardware import HardwareSpec
+from kvpage import capacity
+from kvpage.clock import VirtualClock
+from kvpage.scheduler_output import SchedulerOutput
+
+DUMMY_TOKEN = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+  """The priced parts of one step (FLOPs, bytes, seconds) and which bound won."""
+
+  num_tokens: int
+  flops: float
+  bytes_moved: float
+  swap_bytes: float
+  compute_s: float
+  memory_s: float
+  swap_s: float
+  overhead_s: float
+
+  @property
+  def seconds(self) -> float:
+    return max(self.compute_s, self.memory_s) + self.overhead_s + self.swap_s
+
+  @property
+  def bound(self) -> str:
+    return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+class Roofline:
+  """Prices a step of a given model on a given device."""
+
+  def __init__(self, model: capacity.ModelShape, hardware: HardwareSpec, *,
+               weight_dtype: str, kv_dtype: str | None = None, page_size: int = 16):
+    self.model, self.hardware, self.page_size = model, hardware, page_size
+    self.num_parameters = capacity.num_parameters(model)
+    self.weight_bytes = capacity.weight_bytes(model, weight_dtype)
+    self.kv_bytes_per_token = capacity.kv_bytes_per_token(model, kv_dtype or weight_dtype)
+    self.flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
+
+  def step_cost(self, sequences: list[tuple[int, int]], num_swapped_pages: int = 0) -> StepCost:
+    """`sequences`: `(new tokens, context length including them)` per scheduled sequence."""
+    num_tokens = sum(n for n, _ in sequences)
+    # Query i of n new tokens in a context of c sees c - n + i + 1 keys.
+    pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in sequences)
+    flops = 2.0 * self.num_parameters * num_tokens + self.flops_per_pair * pairs
+    context_tokens = sum(c - n for n, c in sequences)
+    bytes_moved = (self.weight_bytes if sequences else 0) + self.kv_bytes_per_token * (
+        context_tokens + num_tokens)
+    swap_bytes = num_swapped_pages * self.page_size * self.kv_bytes_per_token
+    hw = self.hardware
+    return StepCost(
+        num_tokens=num_tokens, flops=flops, bytes_moved=bytes_moved, swap_bytes=swap_bytes,
+        compute_s=flops / (hw.peak_flops * hw.compute_efficiency),
+        memory_s=bytes_moved / (hw.hbm_bandwidth * hw.bandwidth_efficiency),
+        swap_s=swap_bytes / hw.host_link_bandwidth,
+        overhead_s=hw.step_overhead_s if sequences or num_swapped_pages else 0.0)
+
+
+class SimExecutor:
+  """The executor protocol over a roofline and a virtual clock."""
+
+  def __init__(self, roofline: Roofline, clock: VirtualClock):
+    self.roofline = roofline
+    self.clock = clock
+    self.costs: list[StepCost] = []
+
+  def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
+                 for seq in output.scheduled]
+    cost = self.roofline.step_cost(sequences, len(output.swap_out) + len(output.swap_in))
+    self.costs.append(cost)
+    self.clock.advance(cost.seconds)
+    return {seq.request_id: DUMMY_TOKEN for seq in output.scheduled if seq.samples}

@@ -1,0 +1,74 @@
+"""`experiments/serve_bench.py`, the main job, end to end."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+REQUIRED = ("num_requests", "num_admitted", "num_finished", "rejections", "num_preemptions",
+            "max_kv_usage", "pages_total", "pages_free_at_end", "ttft_s", "tpot_s",
+            "prompt_tokens_per_s", "output_tokens_per_s", "premises")
+
+
+def serve(workdir, *flags):
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", f"--workdir={workdir}",
+       f"--compilation_cache={workdir}/cache", *flags],
+      cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def check_summary(workdir) -> dict:
+  summary = json.loads((workdir / "summary.json").read_text())
+  for key in REQUIRED:
+    assert key in summary, key
+  for key in ("ttft_s", "tpot_s"):
+    assert {"p50", "p99"} <= set(summary[key])
+  assert 0 <= summary["max_kv_usage"] <= 1
+  assert summary["pages_free_at_end"] == summary["pages_total"]
+  premises = summary["premises"]
+  for key in ("model", "dtype", "workload", "policies", "hardware", "packages", "seed"):
+    assert key in premises, key
+  steps = (workdir / "steps.jsonl").read_text().splitlines()
+  assert len(steps) == summary["num_steps"] > 0
+  assert len((workdir / "trace.jsonl").read_text().splitlines()) == summary["num_requests"]
+  return summary
+
+
+def test_simulated_13b(tmp_path):
+  result = serve(tmp_path, "--executor=sim", "--config=configs/llama_13b.py",
+                 "--hardware=a100_80gb", "--num_requests=60", "--arrival_rate=8",
+                 "--prompt_len=mix:0.1:3000:200", "--output_len=uniform:32:256")
+  assert result.returncode == 0, result.stderr
+  summary = check_summary(tmp_path)
+  assert summary["premises"]["hardware"]["name"] == "a100_80gb"
+  assert summary["num_finished"] == summary["num_admitted"] > 0
+  assert "TTFT" in result.stdout and "a100_80gb" in result.stdout
+
+
+def test_real_tiny_model(tmp_path):
+  result = serve(tmp_path, "--num_requests=6", "--arrival_rate=inf", "--prompt_len=uniform:4:30",
+                 "--output_len=4", "--nowarmup", "--prefill_policy=none")
+  assert result.returncode == 0, result.stderr
+  summary = check_summary(tmp_path)
+  assert summary["num_finished"] == summary["num_admitted"] == 6
+  assert summary["premises"]["policies"]["prefill_policy"] == "none"
+  rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+  assert all(row["output_tokens"] == 4 for row in rows)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--executor=gpu"], "value should be one of"),
+    (["--prompt_len=zipf:1"], "unknown length spec"),
+    (["--arrival_rate=fast"], "not a number or inf"),
+    (["--executor=sim", "--checkpoint=/tmp"], "needs --executor=jax"),
+    (["--executor=sim", "--hardware=tpu"], "unknown hardware"),
+    (["--executor=sim", "--preemption_mode=evict"], "unknown scheduler.preemption_mode"),
+    (["--executor=sim", "--max_num_seqs=lots"], "must be of type int"),
+])
+def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
+  result = serve(tmp_path, *flags)
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert message in result.stderr.strip().splitlines()[-1], result.stderr

@@ -1,0 +1,172 @@
+"""The engine holds the KV-cache line under overload, in simulation (13B) and for real (tiny)."""
+
+import math
+
+import ml_collections
+import numpy as np
+import pytest
+
+from configs import hardware as hardware_lib
+from configs import llama_13b, tiny
+from experiments import build
+from kvpage import capacity, metrics, replay, workload
+from kvpage.request import SamplingParams
+from kvpage.sim_executor import Roofline
+from models import llama
+
+A100 = hardware_lib.get_hardware("a100_80gb")
+LLAMA_13B = llama_13b.get_config()
+
+
+def run(engine, trace, *, per_step=None):
+  recorder = metrics.MetricsRecorder(engine.scheduler, engine.clock)
+  max_waiting = [0]
+
+  def on_step(output, sampled, finished):
+    recorder.on_step(output, sampled, finished)
+    max_waiting[0] = max(max_waiting[0], engine.scheduler.num_waiting)
+    if per_step is not None:
+      per_step(engine)
+
+  engine.on_step = on_step
+  requests = replay.replay(engine, trace, on_submit=recorder.track, make_sampling=lambda item:
+                           SamplingParams(max_tokens=item.output_len, ignore_eos=True))
+  return requests, recorder, max_waiting[0]
+
+
+def sim_13b(scheduler_overrides=None):
+  config = llama_13b.get_config()
+  config.scheduler.update(scheduler_overrides or {})
+  num_pages = build.sim_pool_pages(config.model, A100, page_size=16)
+  return build.sim_engine(config.model, A100, config.scheduler, num_pages=num_pages,
+                          page_size=16), config
+
+
+def assert_line_held(requests, recorder, engine):
+  """No admitted request failed, usage stayed <= 100%, and every page came back."""
+  admitted = [r for r in requests if r.status.value != "rejected"]
+  assert admitted, "nothing was admitted"
+  for request in admitted:
+    assert request.finish_reason == "length", (request.request_id, request.finish_reason)
+    assert request.num_output_tokens == request.sampling.max_tokens
+  assert max(step["kv_usage"] for step in recorder.steps) <= 1.0
+  blocks = engine.scheduler.block_manager
+  assert blocks.num_free_pages == blocks.num_usable_pages
+
+
+def test_roofline_prefill_is_compute_bound_and_decode_bandwidth_bound():
+  roofline = Roofline(capacity.ModelShape.from_config(LLAMA_13B.model), A100,
+                      weight_dtype="fp16")
+  prefill = roofline.step_cost([(2048, 2048)])
+  decode = roofline.step_cost([(1, 1024)] * 32)
+  assert prefill.bound == "compute" and decode.bound == "memory"
+  # Decode at batch 1 is the weights over bandwidth: 26.03 GB / (2,039 GB/s x 0.8).
+  single = roofline.step_cost([(1, 1)])
+  assert math.isclose(single.memory_s, 26_031_728_640 / (2_039e9 * 0.8), rel_tol=1e-3)
+  assert single.seconds == pytest.approx(single.memory_s + A100.step_overhead_s)
+
+
+def test_capacity_cross_check_fully_grown_4k_requests():
+  """At most as many fully-grown 4k requests as kvpage.capacity says fit, and exactly that many.
+
+  Whole-prompt prefill with a budget that takes every prompt in one step makes the
+  admitted requests decode in lockstep, so they all reach 4,096 tokens together.
+  """
+  engine, config = sim_13b(dict(watermark=0.0, max_num_seqs=64, prefill_policy="none",
+                                max_num_batched_tokens=30 * 4096))
+  plan = capacity.plan(capacity.ModelShape.from_config(config.model), seq_len=4096,
+                       weight_dtype="fp16", memory_bytes=A100.memory_bytes)
+  trace = [workload.TraceRequest(f"r{i}", 0.0, tuple([1] * 4000), 96) for i in range(30)]
+  peak = [0]
+
+  def count_full(engine):
+    pages = engine.scheduler.block_manager.page_tables()
+    peak[0] = max(peak[0], sum(len(p) == plan.pages_per_request for p in pages.values()))
+
+  requests, recorder, _ = run(engine, trace, per_step=count_full)
+  assert plan.max_concurrent_requests == 17
+  assert peak[0] == plan.max_concurrent_requests
+  assert_line_held(requests, recorder, engine)
+
+
+def test_13b_simulation_at_three_times_sustainable_rate_holds_the_line():
+  lengths = dict(prompt_len="uniform:256:2048", output_len="uniform:64:512", vocab_size=32000,
+                 seed=0)
+  # The sustainable rate: what the server completes per second when saturated.
+  engine, _ = sim_13b()
+  requests, recorder, _ = run(engine, workload.synthesize(num_requests=200,
+                                                          arrival_rate=1000.0, **lengths))
+  summary = recorder.summary({})
+  sustainable = summary["num_finished"] / summary["duration_s"]
+  engine, config = sim_13b(dict(max_waiting=32))
+  trace = workload.synthesize(num_requests=600, arrival_rate=3 * sustainable, **lengths)
+  requests, recorder, max_waiting = run(engine, trace)
+  summary = recorder.summary({})
+  assert summary["num_rejected"] > 0.2 * len(trace)  # pushed back, not queued
+  assert set(summary["rejections"]) <= {"400", "429", "503"} and summary["rejections"]["400"] == 0
+  assert max_waiting <= config.scheduler.max_waiting
+  assert_line_held(requests, recorder, engine)
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+  return llama.random_init(tiny.get_config().model, seed=0)
+
+
+def tiny_engine(tiny_params, num_pages, **overrides):
+  config = tiny.get_config()
+  config.scheduler.update(overrides)
+  return build.llama_engine(config.model, tiny_params, config.scheduler, num_pages=num_pages,
+                            page_size=16, num_host_pages=config.scheduler.num_host_pages)
+
+
+def test_real_tiny_model_under_overload_holds_the_line(tiny_params):
+  engine = tiny_engine(tiny_params, num_pages=24, max_waiting=4)
+  trace = workload.synthesize(num_requests=24, arrival_rate=200.0, prompt_len="uniform:8:40",
+                              output_len="uniform:4:24", vocab_size=512, seed=3)
+  requests, recorder, max_waiting = run(engine, trace)
+  summary = recorder.summary({})
+  assert summary["num_rejected"] > 0 and max_waiting <= 4
+  assert_line_held(requests, recorder, engine)
+
+
+def test_real_and_simulated_runs_schedule_identically(tiny_params):
+  """Same scheduler code: with all arrivals at t=0, only the executor differs."""
+  trace = workload.synthesize(num_requests=10, arrival_rate=float("inf"),
+                              prompt_len="uniform:4:40", output_len="uniform:2:12",
+                              vocab_size=512, seed=5)
+  schedules = []
+  for kind in ("jax", "sim"):
+    config = tiny.get_config()
+    config.scheduler.update(dict(chunk_size=16, max_num_batched_tokens=32))
+    if kind == "jax":
+      engine = tiny_engine(tiny_params, num_pages=20, chunk_size=16, max_num_batched_tokens=32)
+    else:
+      engine = build.sim_engine(config.model, hardware_lib.get_hardware("cpu"),
+                                config.scheduler, num_pages=20, page_size=16)
+    steps = []
+    engine.on_step = lambda out, sampled, fin, steps=steps: steps.append(
+        [(s.request_id, s.start_position, len(s.token_ids)) for s in out.scheduled])
+    replay.replay(engine, trace, make_sampling=lambda item: SamplingParams(
+        max_tokens=item.output_len, ignore_eos=True))
+    schedules.append(steps)
+  assert schedules[0] == schedules[1] and len(schedules[0]) >= 8
+
+
+def test_metrics_percentiles_and_goodput():
+  assert metrics.percentiles([1.0, 2.0, 3.0, 4.0])["p50"] == 2.5
+  assert metrics.percentiles([])["p99"] is None
+  engine, _ = sim_13b()
+  trace = workload.synthesize(num_requests=20, arrival_rate=4.0, prompt_len="512",
+                              output_len="32", vocab_size=32000, seed=1)
+  requests, recorder, _ = run(engine, trace)
+  rows = {row["request_id"]: row for row in recorder.request_rows()}
+  for request in requests:
+    row = rows[request.request_id]
+    first = next(e.time for e in request.events if e.kind == "first_token")
+    assert row["ttft_s"] == pytest.approx(first - request.arrival_time)
+    assert len(row["itl_s"]) == 31 and row["tpot_s"] == pytest.approx(np.mean(row["itl_s"]))
+  summary = recorder.summary({}, slo_ttft_s=rows["req-0"]["ttft_s"])
+  assert 0 < summary["goodput_fraction"] <= 1
+  assert summary["output_tokens_per_s"] == pytest.approx(20 * 32 / summary["duration_s"])
+  assert isinstance(ml_collections.ConfigDict(summary["ttft_s"]), ml_collections.ConfigDict)

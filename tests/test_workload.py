@@ -1,0 +1,68 @@
+"""Seeded synthetic traffic: distributions, arrival processes, JSONL traces."""
+
+import numpy as np
+import pytest
+
+from kvpage import workload
+
+
+def trace(**overrides):
+  args = dict(num_requests=400, arrival_rate=10.0, prompt_len="lognormal:300:4096",
+              output_len="uniform:8:64", vocab_size=100, seed=1)
+  args.update(overrides)
+  return workload.synthesize(**args)
+
+
+def test_same_seed_same_trace_and_seed_matters():
+  assert trace() == trace()
+  assert trace() != trace(seed=2)
+
+
+def test_length_specs_respect_their_ranges():
+  rng = np.random.default_rng(0)
+  assert set(workload.parse_lengths("7")(rng, 50)) == {7}
+  uniform = workload.parse_lengths("uniform:3:9")(rng, 2000)
+  assert uniform.min() == 3 and uniform.max() == 9
+  lognormal = workload.parse_lengths("lognormal:300:4096")(rng, 20000)
+  assert lognormal.min() >= 1 and lognormal.max() <= 4096
+  assert 270 < np.median(lognormal) < 330
+  mix = workload.parse_lengths("mix:0.1:8000:50")(rng, 20000)
+  assert set(mix) == {8000, 50} and abs(np.mean(mix == 8000) - 0.1) < 0.01
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("0", "single positive integer"), ("uniform:9:3", "LO <= HI"), ("uniform:3", "needs 2"),
+    ("lognormal:a:5", "non-numeric"), ("mix:1.5:10:5", "FRACTION"), ("zipf:2", "unknown"),
+])
+def test_bad_length_specs(spec, message):
+  with pytest.raises(ValueError, match=message):
+    workload.parse_lengths(spec)
+
+
+def test_arrival_processes():
+  rng = np.random.default_rng(0)
+  poisson = workload.arrival_times(rng, 5000, 20.0, "poisson")
+  assert poisson[0] == 0 and np.all(np.diff(poisson) >= 0)
+  assert abs(len(poisson) / poisson[-1] - 20.0) < 1.5  # mean rate
+  bursty = np.diff(workload.arrival_times(rng, 5000, 20.0, "gamma:3"))
+  assert bursty.std() / bursty.mean() > 2.5  # coefficient of variation ~3
+  assert abs(1 / bursty.mean() - 20.0) < 3
+  assert not np.any(workload.arrival_times(rng, 10, float("inf"), "poisson"))
+  with pytest.raises(ValueError, match="poisson or gamma"):
+    workload.arrival_times(rng, 10, 1.0, "uniform")
+  with pytest.raises(ValueError, match="must be > 0"):
+    workload.arrival_times(rng, 10, 0.0, "poisson")
+
+
+def test_trace_fields_and_jsonl_round_trip(tmp_path):
+  requests = trace(num_requests=20, priority="uniform:0:2")
+  assert all(1 <= t < 100 for r in requests for t in r.prompt_ids)
+  assert {r.priority for r in requests} <= {0, 1, 2}
+  path = tmp_path / "trace.jsonl"
+  workload.save_jsonl(requests, path)
+  assert workload.load_jsonl(path) == requests
+  path.write_text(path.read_text() + '{"request_id": "x"}\n')
+  with pytest.raises(ValueError, match=r"trace.jsonl:21: not a trace request"):
+    workload.load_jsonl(path)
+  summary = workload.summarize(requests)
+  assert summary["num_requests"] == 20 and summary["output_len"]["max"] <= 64
