@@ -154,3 +154,124 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   out = accumulator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
   out = out.transpose(1, 0, 2, 3)  # [num_tokens, num_kv_heads, group, head_dim]
   return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+# Measured on CPU (benchmarks/attention_cpu.py): chunks past ~128 tokens spill the gathered
+# keys out of cache and get slower, not faster; contexts that fit take a single pass.
+DECODE_TOKENS_PER_CHUNK = 128
+
+
+def gather_rows(pages: jax.Array, rows: jax.Array) -> jax.Array:
+  """Whole pages as rows of a 2-D view: `pages[..., page_size, head_dim]` flattened to
+  `[rows, page_size * head_dim]`, then `rows` (any shape) gathered.
+
+  Why this shape: XLA:CPU's gather moves contiguous rows at memcpy speed, while the
+  4-D `k_pages[:, pages]` gather (and a gather whose index arithmetic is fused into
+  it, recomputed for every element) runs several times slower.
+  """
+  page_size, head_dim = pages.shape[-2:]
+  flat = pages.reshape(-1, page_size * head_dim)
+  # lax.gather directly: numpy-style indexing would add a negative-index fix-up that,
+  # fused into the gather, runs per element. Rows are in bounds by construction.
+  dimension_numbers = jax.lax.GatherDimensionNumbers(
+      offset_dims=(rows.ndim,), collapsed_slice_dims=(0,), start_index_map=(0,))
+  return jax.lax.gather(flat, rows[..., None], dimension_numbers,
+                        slice_sizes=(1, flat.shape[1]),
+                        mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def decode_rows(block_tables: jax.Array, num_kv_heads: int, num_pages: int,
+                layer: int = 0) -> jax.Array:
+  """`i32[num_kv_heads, num_seqs, max_pages]`: the row of each table entry in the 2-D view
+  of a `[num_layers, num_kv_heads, num_pages, ...]` pool (layer 0 for a one-layer pool).
+
+  Computed once and fenced off with an optimization barrier so XLA materializes it
+  instead of fusing (and re-evaluating) the arithmetic inside every gathered element.
+  """
+  heads = (layer * num_kv_heads + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages
+  return jax.lax.optimization_barrier(heads[:, None, None] + block_tables[None])
+
+
+def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
+                           block_tables: jax.Array, context_lens: jax.Array,
+                           layer: int | None = None, sm_scale: float | None = None,
+                           soft_cap: float | None = None,
+                           tokens_per_chunk: int = DECODE_TOKENS_PER_CHUNK) -> jax.Array:
+  """`ragged_paged_attention` for a decode-only batch: token `s` is sequence `s`'s one new token.
+
+  The host knows when a step is decode-only (every scheduled sequence brings exactly
+  one token) and says so statically, so this path drops the ragged bookkeeping: no
+  token-to-sequence search, no causal mask (the new token is the last position), no
+  per-token copy of the block table. Each sequence's pages are gathered as whole rows
+  and scored in one pass; contexts longer than `tokens_per_chunk` fold chunk by chunk
+  into an online softmax, as the reference does, so memory stays bounded.
+
+  Args:
+    q: `[num_tokens, num_heads, head_dim]`; row `s < num_seqs` belongs to sequence `s`,
+      rows past the real sequences are padding and come out as zeros.
+    k_pages, v_pages: `[num_kv_heads, num_pages, page_size, head_dim]`, or, with `layer`,
+      the whole cache `[num_layers, num_kv_heads, ...]` (read in place: no layer slice).
+    block_tables, context_lens: as in `ragged_paged_attention`; length-0 rows are padding.
+  Returns:
+    `[num_tokens, num_heads, head_dim]` in `q.dtype`.
+  """
+  pool_k = k_pages if layer is None else k_pages[0]  # shapes only; never materialized
+  validate(q, pool_k, pool_k, block_tables, context_lens,
+           jnp.zeros(block_tables.shape[0] + 1, jnp.int32))
+  num_tokens, num_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = pool_k.shape
+  num_seqs = min(num_tokens, block_tables.shape[0])  # decode: seqs past num_tokens are empty
+  rows = decode_rows(block_tables[:num_seqs], num_kv_heads, num_pages, layer or 0)
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  q_grouped = (q[:num_seqs].astype(jnp.float32) * sm_scale).reshape(
+      num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(1, 0, 2, 3)
+  out = _decode_fold(q_grouped, k_pages, v_pages, rows, context_lens[:num_seqs],
+                     max(1, tokens_per_chunk // page_size), soft_cap)
+  out = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+  return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
+
+
+def _decode_fold(q_grouped, k_pages, v_pages, rows, lens, pages_per_chunk, soft_cap):
+  """Online softmax over chunks of `pages_per_chunk` table entries (one pass if it fits).
+
+  `q_grouped: f32[num_kv_heads, num_seqs, group, head_dim]`, `rows` from `decode_rows`;
+  returns the normalized `f32[num_kv_heads, num_seqs, group, head_dim]`.
+  """
+  num_kv_heads, num_seqs, group, head_dim = q_grouped.shape
+  max_pages, page_size = rows.shape[-1], k_pages.shape[-2]
+  pages_per_chunk = min(pages_per_chunk, max_pages)
+  num_chunks_total = -(-max_pages // pages_per_chunk)
+  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, num_chunks_total * pages_per_chunk - max_pages)))
+  chunk_len = pages_per_chunk * page_size
+  kv_shape = (num_kv_heads, num_seqs, chunk_len, head_dim)
+
+  def fold_chunk(chunk, carry):
+    running_max, denominator, accumulator = carry
+    chunk_rows = jax.lax.dynamic_slice_in_dim(rows, chunk * pages_per_chunk, pages_per_chunk, 2)
+    k = gather_rows(k_pages, chunk_rows).reshape(kv_shape).astype(jnp.float32)
+    v = gather_rows(v_pages, chunk_rows).reshape(kv_shape).astype(jnp.float32)
+    # Multiply-and-reduce rather than einsum: XLA:CPU lowers these batched matrix-vector
+    # products (group rows against one sequence's keys) to a library call per
+    # (head, sequence) pair, whose fixed cost dominates at decode sizes.
+    scores = (q_grouped[:, :, :, None, :] * k[:, :, None]).sum(axis=-1)
+    if soft_cap is not None:
+      scores = soft_cap * jnp.tanh(scores / soft_cap)
+    visible = chunk * chunk_len + jnp.arange(chunk_len) < lens[:, None]  # [num_seqs, chunk]
+    scores = jnp.where(visible[None, :, None, :], scores, -jnp.inf)
+    new_max = jnp.maximum(running_max, scores.max(axis=-1))
+    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+    probs = jnp.exp(scores - safe_max[..., None])
+    rescale = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
+    return (new_max, denominator * rescale + probs.sum(axis=-1),
+            accumulator * rescale[..., None] + (probs[..., None] * v[:, :, None]).sum(axis=3))
+
+  stats_shape = (num_kv_heads, num_seqs, group)
+  carry = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+           jnp.zeros((*stats_shape, head_dim), jnp.float32))
+  if num_chunks_total == 1:
+    carry = fold_chunk(0, carry)
+  else:
+    num_chunks = jnp.minimum(-(-jnp.max(lens, initial=0) // chunk_len), num_chunks_total)
+    carry = jax.lax.fori_loop(0, num_chunks, fold_chunk, carry)
+  _, denominator, accumulator = carry
+  return accumulator / jnp.where(denominator > 0, denominator, 1.0)[..., None]

@@ -74,10 +74,17 @@ class Attention(nn.Module):
     q = rope.apply(q, batch.positions, inv_freq)
     k = rope.apply(k, batch.positions, inv_freq)
     cache = paged_cache.write(cache, self.layer, k, v, batch.slot_mapping)
-    out = _attention_fn(c.attention_impl)(
-        q.astype(cache.dtype), cache.k_pages[self.layer], cache.v_pages[self.layer],
-        block_tables=batch.block_tables, context_lens=batch.context_lens,
-        query_start_loc=batch.query_start_loc)
+    if getattr(batch, "decode_only", False) and c.attention_impl == "reference":
+      # Decode-only step (a static fact of the batch's type): the specialized path reads
+      # this layer's pages straight out of the whole cache.
+      out = attention.paged_decode_attention(
+          q.astype(cache.dtype), cache.k_pages, cache.v_pages, layer=self.layer,
+          block_tables=batch.block_tables, context_lens=batch.context_lens)
+    else:
+      out = _attention_fn(c.attention_impl)(
+          q.astype(cache.dtype), cache.k_pages[self.layer], cache.v_pages[self.layer],
+          block_tables=batch.block_tables, context_lens=batch.context_lens,
+          query_start_loc=batch.query_start_loc)
     out = out.astype(dtype).reshape(num_tokens, c.num_heads * c.head_dim)
     return _dense(c.d_model, "o_proj", dtype)(out), cache
 
