@@ -57,6 +57,65 @@ class DecodeStepBatch(StepBatch):
 
 
 @dataclasses.dataclass(frozen=True)
+class Buckets:
+  """Which padded shapes a server compiles: the fewer, the fewer compilations.
+
+  By default every dimension follows its ladder. A server that knows its limits pins
+  two of them so that the set of programs is small and known ahead of time (and can
+  be compiled at start-up, `JaxExecutor.warmup`):
+    * `max_pages_per_seq`: every block table is this wide (the model's context in
+      pages). Attention loops only as far as the longest context, so width is cheap.
+    * `mixed_num_seqs`: batches that are not decode-only are padded to this many
+      sequences (the scheduler's `max_num_seqs`), leaving one program per token bucket.
+  Decode-only batches keep `num_tokens == num_seqs` on the sequence ladder.
+  """
+
+  token_buckets: tuple[int, ...] = TOKEN_BUCKETS
+  seq_buckets: tuple[int, ...] = SEQ_BUCKETS
+  max_pages_per_seq: int | None = None
+  mixed_num_seqs: int | None = None
+
+  @classmethod
+  def for_server(cls, *, max_model_len: int, page_size: int, max_num_seqs: int) -> "Buckets":
+    """Pinned table width and mixed batch size for a server with these limits."""
+    return cls(max_pages_per_seq=-(-max_model_len // page_size),
+               mixed_num_seqs=bucket(max_num_seqs, SEQ_BUCKETS, "max_num_seqs"))
+
+  def decode_shape(self, num_seqs: int) -> tuple[int, int]:
+    """`(tokens, seqs)` of a decode-only batch of `num_seqs` sequences."""
+    seqs = bucket(num_seqs, self.seq_buckets, "num_seqs")
+    return bucket(seqs, self.token_buckets, "num_tokens"), seqs
+
+  def mixed_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """`(tokens, seqs)` of a batch with at least one prefill chunk."""
+    seqs = self.mixed_num_seqs or bucket(num_seqs, self.seq_buckets, "num_seqs")
+    if num_seqs > seqs:
+      raise ValueError(f"num_seqs={num_seqs} exceeds the pinned mixed batch size {seqs}")
+    return bucket(num_tokens, self.token_buckets, "num_tokens"), seqs
+
+  def table_width(self, num_pages: int) -> int:
+    if self.max_pages_per_seq is None:
+      return table_bucket(num_pages)
+    if num_pages > self.max_pages_per_seq:
+      raise ValueError(f"a sequence holds {num_pages} pages, more than the pinned block-table "
+                       f"width {self.max_pages_per_seq}")
+    return self.max_pages_per_seq
+
+  def warmup_shapes(self, max_num_seqs: int,
+                    max_num_batched_tokens: int) -> list[tuple[int, int, bool]]:
+    """Every `(tokens, seqs, decode_only)` a scheduler with these limits can produce."""
+    shapes = {(*self.decode_shape(n), True) for n in range(1, max_num_seqs + 1)}
+    for rung in self.token_buckets:
+      shapes.add((*self.mixed_shape(rung, 1), False))
+      if rung >= max_num_batched_tokens:
+        break
+    return sorted(shapes)
+
+
+DEFAULT_BUCKETS = Buckets()
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchInfo:
   """Host-side facts about a built batch that the device never needs."""
 
@@ -65,10 +124,6 @@ class BatchInfo:
   num_tokens: int  # real (unpadded) tokens
   num_seqs: int  # real sequences
   all_greedy: bool  # every sampling row has temperature 0: skip the sampler
-
-  @property
-  def padded_shape(self) -> tuple[int, int]:
-    return self.num_tokens, self.num_seqs
 
 
 def bucket(value: int, ladder: Sequence[int], what: str) -> int:
@@ -103,8 +158,7 @@ def request_seed(request: Any) -> int:
 
 
 def build(scheduled: Sequence[Any], *, page_size: int,
-          token_buckets: Sequence[int] = TOKEN_BUCKETS,
-          seq_buckets: Sequence[int] = SEQ_BUCKETS) -> tuple[StepBatch, BatchInfo]:
+          buckets: Buckets | None = None) -> tuple[StepBatch, BatchInfo]:
   """Flattens scheduled sequences (`kvpage.scheduler_output.ScheduledSequence`) into a batch.
 
   Runs on the host every step, so it is written as a few whole-batch numpy operations
@@ -121,9 +175,13 @@ def build(scheduled: Sequence[Any], *, page_size: int,
     if n == 0 or first + n > num_pages * page_size:
       raise ValueError(f"request {seq.request_id}: {n} tokens from position {first} do not "
                        f"fit its {num_pages} pages of {page_size}")
+  buckets = buckets or DEFAULT_BUCKETS
   num_tokens, num_seqs = sum(query_lens), len(scheduled)
-  batch = example_batch(bucket(num_tokens, token_buckets, "num_tokens"),
-                        bucket(num_seqs, seq_buckets, "num_seqs"), table_bucket(max(table_lens)))
+  decode_only = num_tokens == num_seqs  # every sequence brings one token (none brings zero)
+  padded_tokens, padded_seqs = (buckets.decode_shape(num_seqs) if decode_only
+                                else buckets.mixed_shape(num_tokens, num_seqs))
+  batch = example_batch(padded_tokens, padded_seqs, buckets.table_width(max(table_lens)),
+                        decode_only=decode_only)
   _fill_tables(batch, scheduled, table_lens)
   _fill_tokens(batch, scheduled, query_lens, starts, page_size)
   _fill_sampling(batch, scheduled)
@@ -131,8 +189,6 @@ def build(scheduled: Sequence[Any], *, page_size: int,
       request_ids=[seq.request_id for seq in scheduled],
       samples=[seq.samples for seq in scheduled], num_tokens=num_tokens, num_seqs=num_seqs,
       all_greedy=all(seq.request.sampling.temperature == 0 for seq in scheduled if seq.samples))
-  if num_tokens == num_seqs:  # every sequence brings one token (none brings zero)
-    batch = DecodeStepBatch(*batch)
   return batch, info
 
 
@@ -175,10 +231,11 @@ def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
   batch.sample_index[:num_seqs] = [len(seq.request.output_ids) for seq in scheduled]
 
 
-def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int) -> StepBatch:
+def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int, *,
+                  decode_only: bool = False) -> StepBatch:
   """An all-padding batch of the given (bucketed) shape: every token writes the null page."""
   i32 = np.int32
-  return StepBatch(
+  return (DecodeStepBatch if decode_only else StepBatch)(
       token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
       slot_mapping=np.zeros(num_tokens, i32), query_start_loc=np.zeros(num_seqs + 1, i32),
       context_lens=np.zeros(num_seqs, i32),

@@ -10,7 +10,7 @@ pages a swap-out just vacated); the page lists are padded to power-of-two bucket
 with the null page so copies, like steps, do not recompile.
 """
 
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import numpy as np
@@ -19,12 +19,6 @@ from kvpage import batch as batch_lib
 from kvpage import paged_cache
 from kvpage.scheduler_output import SchedulerOutput
 from kvpage.step import ForwardFn, Step
-
-
-class Executor(Protocol):
-  """What the engine needs from an executor."""
-
-  def execute(self, output: SchedulerOutput) -> dict[str, int]: ...
 
 
 def _gather_pages(cache: paged_cache.PagedKVCache, pages: jax.Array):
@@ -41,9 +35,10 @@ class JaxExecutor:
   """A model's forward function, its params and a paged cache behind the executor protocol."""
 
   def __init__(self, forward: ForwardFn, params: Any, cache: paged_cache.PagedKVCache, *,
-               num_host_pages: int = 0):
+               num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None):
     self.params = params
     self.cache = cache
+    self.buckets = buckets or batch_lib.DEFAULT_BUCKETS
     self.step = Step(forward)
     shape = (cache.num_layers, cache.num_kv_heads, num_host_pages, cache.page_size,
              cache.head_dim)
@@ -66,11 +61,28 @@ class JaxExecutor:
     self.swap_in(output.swap_in)
     if not output.scheduled:
       return {}
-    batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size)
+    batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
+                                  buckets=self.buckets)
     tokens, self.cache = self.step(self.params, self.cache, batch, info.all_greedy)
     self.num_steps += 1
     return {request_id: int(token) for request_id, token, samples
             in zip(info.request_ids, tokens, info.samples) if samples}
+
+  def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
+             all_greedy: tuple[bool, ...] = (True,)) -> int:
+    """Compiles every step shape a scheduler with these limits can produce; returns the count.
+
+    All-padding batches write only the null page, so the cache's contents are untouched.
+    With pinned buckets (`Buckets.for_server`) this is a few programs per token bucket,
+    and serving never compiles on the request path afterwards.
+    """
+    shapes = self.buckets.warmup_shapes(max_num_seqs, max_num_batched_tokens)
+    width = self.buckets.table_width(1)
+    for num_tokens, num_seqs, decode_only in shapes:
+      batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
+      for greedy in all_greedy:
+        _, self.cache = self.step(self.params, self.cache, batch, greedy)
+    return len(shapes) * len(all_greedy)
 
   def swap_out(self, copies: list[tuple[int, int]]) -> None:
     """Copies device pages to host pages: `[(device_page, host_page), ...]`."""

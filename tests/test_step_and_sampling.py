@@ -11,7 +11,7 @@ from configs import scheduler as scheduler_lib
 from configs import tiny
 from experiments import build
 from kvpage import batch as batch_lib
-from kvpage import sampling
+from kvpage import replay, sampling, workload
 from kvpage.request import Request, SamplingParams
 from kvpage.scheduler_output import ScheduledSequence
 from models import llama
@@ -105,3 +105,18 @@ def test_step_donates_the_cache(params):
   engine.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
   assert before.is_deleted()  # donated into the step, updated in place
   assert isinstance(engine.executor.cache.k_pages, jax.Array)
+
+
+def test_warmup_compiles_every_shape_serving_then_uses(params):
+  config = tiny.get_config()
+  config.scheduler.update(dict(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=32))
+  engine = build.llama_engine(MODEL, params, config.scheduler, num_pages=64, page_size=16)
+  num_programs = engine.executor.warmup(8, 64)
+  assert engine.executor.num_compiles == num_programs == 4 + 4  # decode 1-8, mixed 8-64
+  trace = workload.synthesize(num_requests=12, arrival_rate=float("inf"),
+                              prompt_len="uniform:1:70", output_len="uniform:1:20",
+                              vocab_size=MODEL.vocab_size, seed=0)
+  replay.replay(engine, trace, make_sampling=lambda item: SamplingParams(
+      max_tokens=item.output_len, ignore_eos=True))
+  assert engine.scheduler.stats()["num_finished"] > 0
+  assert engine.executor.num_compiles == num_programs  # nothing compiled on the request path
