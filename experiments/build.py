@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from configs.hardware import HardwareSpec
+from kvpage import batch as batch_lib
 from kvpage import capacity, paged_cache
 from kvpage.clock import VirtualClock, WallClock
 from kvpage.engine import Engine
@@ -26,17 +27,25 @@ from models import hf, llama
 
 def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                  scheduler_config: ml_collections.ConfigDict, *, num_pages: int,
-                 page_size: int, num_host_pages: int = 0,
+                 page_size: int, num_host_pages: int = 0, kv_dtype: str | None = None,
                  clock: Callable[[], float] | None = None,
                  on_step: Callable[..., None] | None = None) -> Engine:
-  """An engine serving a Llama model through a paged cache of `num_pages` pages."""
+  """An engine serving a Llama model through a paged cache of `num_pages` pages.
+
+  `kv_dtype` (default: the model's) is the cache's storage precision.
+  """
   model_config = ml_collections.FrozenConfigDict(model_config)
-  cache = paged_cache.init(model_config, num_pages=num_pages, page_size=page_size)
+  cache = paged_cache.init(model_config, num_pages=num_pages, page_size=page_size,
+                           dtype=kv_dtype)
   forward = functools.partial(llama.forward, config=model_config)
-  executor = JaxExecutor(forward, params, cache, num_host_pages=num_host_pages)
+  buckets = batch_lib.Buckets.for_server(max_model_len=model_config.max_seq_len,
+                                         page_size=page_size,
+                                         max_num_seqs=scheduler_config.max_num_seqs)
+  executor = JaxExecutor(forward, params, cache, num_host_pages=num_host_pages, buckets=buckets)
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
                         max_model_len=model_config.max_seq_len,
-                        num_host_pages=num_host_pages, clock=clock or WallClock())
+                        num_host_pages=num_host_pages, clock=clock or WallClock(),
+                        vocab_size=model_config.vocab_size)
   return Engine(scheduler, executor, on_step=on_step)
 
 
@@ -49,7 +58,7 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
                       weight_dtype=model_config.dtype, kv_dtype=kv_dtype, page_size=page_size)
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
                         max_model_len=model_config.max_seq_len, num_host_pages=num_host_pages,
-                        clock=clock)
+                        clock=clock, vocab_size=model_config.vocab_size)
   return Engine(scheduler, SimExecutor(roofline, clock))
 
 
@@ -81,14 +90,19 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
                         page_size=page_size, kv_dtype=config.cache.kv_dtype,
                         num_host_pages=host_pages)
     return ServingSetup(engine, config, num_pages, dataclasses.asdict(hardware))
+  num_pages = num_pages or config.cache.num_pages
+  if num_pages < 2:
+    raise ValueError(f"the config sets no KV pool for a real run (cache.num_pages="
+                     f"{config.cache.num_pages}); pass --num_pages")
   if checkpoint:
     model_config, params = hf.load(checkpoint)
     config.model = model_config
+    config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
   else:
     params = llama.random_init(config.model, config.seed)
-  num_pages = num_pages or config.cache.num_pages
   engine = llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
-                        page_size=page_size, num_host_pages=host_pages)
+                        page_size=page_size, num_host_pages=host_pages,
+                        kv_dtype=config.cache.kv_dtype)
   device = jax.devices()[0]
   return ServingSetup(engine, config, num_pages,
                       dict(name=f"{device.platform} (real run)", device=str(device)))

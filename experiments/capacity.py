@@ -65,7 +65,8 @@ def build_plans(config, hardware: hardware_lib.HardwareSpec, *, seq_len: int, dt
   }
   if memory_gb is not None or weights_gb is not None:
     plans["given"] = capacity.plan(
-        model, memory_bytes=_to_bytes(memory_gb, unit) or hardware.memory_bytes,
+        model, memory_bytes=(hardware.memory_bytes if memory_gb is None
+                             else _to_bytes(memory_gb, unit)),
         weight_bytes_override=_to_bytes(weights_gb, unit), **common)
   return plans
 

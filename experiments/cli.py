@@ -5,7 +5,9 @@ does not hold) ends the program with `error: <what is wrong>` on stderr and exit
 status 1 — never a traceback. Entry points call `run(main)` instead of `app.run`.
 """
 
+import pathlib
 import sys
+import tempfile
 from collections.abc import Callable
 
 from absl import app, flags
@@ -34,6 +36,18 @@ def load_config(holder: flags.FlagHolder):
     sys.exit(f"error: cannot load --{holder.name}: {_last_line(error)}")
 
 
+def prepare_workdir(path: str) -> pathlib.Path:
+  """Creates `path` and checks it is writable, so a run never ends unable to save."""
+  workdir = pathlib.Path(path)
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as error:
+    raise ValueError(f"--workdir {path!r} is not a writable directory: {error}") from None
+  return workdir
+
+
 def enable_compilation_cache(directory: str | None) -> None:
   """Keeps compiled XLA programs on disk, so a second run skips compilation."""
   if directory:
@@ -52,6 +66,8 @@ def run(main: Callable[[list[str]], None]) -> None:
     try:
       main(argv)
     except ValueError as error:
+      sys.exit(f"error: {error}")
+    except OSError as error:  # a file that is missing or cannot be written
       sys.exit(f"error: {error}")
 
   app.run(guarded_main, flags_parser=_parse_flags)

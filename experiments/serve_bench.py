@@ -22,19 +22,17 @@ from ml_collections import config_flags
 from configs import hardware as hardware_lib
 from experiments import build, cli, progress
 from kvpage import metrics, premises, replay, workload
-from kvpage.engine import Engine
 from kvpage.request import SamplingParams
-from kvpage.scheduler import Scheduler
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config file.")
 _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"], "Real model or simulated GPU.")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
-_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 48, "Requests in the workload.")
-_ARRIVAL_RATE = flags.DEFINE_string("arrival_rate", "12", "Requests/s; `inf` = all at once.")
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 96, "Requests in the workload.")
+_ARRIVAL_RATE = flags.DEFINE_string("arrival_rate", "40", "Requests/s; `inf` = all at once.")
 _ARRIVAL = flags.DEFINE_string("arrival_process", "poisson", "poisson | gamma:CV (bursty).")
-_PROMPT_LEN = flags.DEFINE_string("prompt_len", "lognormal:48:384",
+_PROMPT_LEN = flags.DEFINE_string("prompt_len", "lognormal:64:512",
                                   "N | uniform:LO:HI | lognormal:MEDIAN:MAX | mix:F:LONG:SHORT")
-_OUTPUT_LEN = flags.DEFINE_string("output_len", "uniform:8:48", "Same forms as --prompt_len.")
+_OUTPUT_LEN = flags.DEFINE_string("output_len", "uniform:16:128", "Same forms as --prompt_len.")
 _PRIORITY = flags.DEFINE_string("priority", "0", "N | uniform:LO:HI (lower = more important).")
 _TRACE = flags.DEFINE_string("trace", None, "Replay this JSONL trace instead of synthesizing.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Serve a Hugging Face Llama checkpoint.")
@@ -46,8 +44,8 @@ _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page;
 _PAGE_SIZE = flags.DEFINE_integer("page_size", None, "Tokens per page (default: config's).")
 _NUM_HOST_PAGES = flags.DEFINE_integer("num_host_pages", None, "Host swap pool pages.")
 _WARMUP = flags.DEFINE_bool(
-    "warmup", True, "jax executor: replay the trace once first so that compiling the step's "
-    "shape buckets does not pollute the measured latencies.")
+    "warmup", True, "jax executor: compile every step shape before the clock starts, so "
+    "compilation does not pollute the measured latencies.")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", "workdir/jax_cache", "Persistent XLA compilation cache ('' = off).")
 _SLO_TTFT = flags.DEFINE_float("slo_ttft", None, "TTFT SLO (s) for goodput.")
@@ -68,6 +66,8 @@ def apply_overrides(config: ml_collections.ConfigDict) -> None:
       except ValueError:
         raise ValueError(f"--{name}={holder.value!r} must be of type {kind.__name__}") from None
   if _PAGE_SIZE.value is not None:
+    if _PAGE_SIZE.value <= 0:
+      raise ValueError(f"--page_size must be a positive number of tokens, got {_PAGE_SIZE.value}")
     config.cache.page_size = _PAGE_SIZE.value
   if _NUM_HOST_PAGES.value is not None:
     config.scheduler.num_host_pages = _NUM_HOST_PAGES.value
@@ -86,15 +86,6 @@ def load_trace(config: ml_collections.ConfigDict) -> list[workload.TraceRequest]
       arrival_process=_ARRIVAL.value, priority=_PRIORITY.value)
 
 
-def fresh_engine(engine: Engine) -> Engine:
-  """A new scheduler (empty queues, all pages free) over the same executor and clock."""
-  old, blocks = engine.scheduler, engine.scheduler.block_manager
-  scheduler = Scheduler(old.config, num_pages=blocks.num_pages, page_size=blocks.page_size,
-                        max_model_len=old.max_model_len, num_host_pages=blocks.num_host_pages,
-                        clock=old.clock)
-  return Engine(scheduler, engine.executor)
-
-
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   config = cli.load_config(_CONFIG)
@@ -103,11 +94,13 @@ def main(argv: list[str]) -> None:
   if _CHECKPOINT.value and _EXECUTOR.value == "sim":
     raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
   hardware = hardware_lib.get_hardware(_HARDWARE.value or config.hardware)
+  workdir = cli.prepare_workdir(_WORKDIR.value)  # fail now, not after the run
+  for name, value in (("slo_ttft", _SLO_TTFT.value), ("slo_tpot", _SLO_TPOT.value)):
+    if value is not None and not value > 0:
+      raise ValueError(f"--{name} must be > 0 seconds, got {value}")
   setup = build.serving_engine(config, executor=_EXECUTOR.value, hardware=hardware,
                                checkpoint=_CHECKPOINT.value, num_pages=_NUM_PAGES.value)
   trace = load_trace(setup.config)
-  recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock)
-  setup.engine.on_step = recorder.on_step
   stop_ids = () if _IGNORE_EOS.value or _EOS_ID.value is None else (_EOS_ID.value,)
 
   def make_sampling(item: workload.TraceRequest) -> SamplingParams:
@@ -115,14 +108,22 @@ def main(argv: list[str]) -> None:
                           stop_token_ids=stop_ids, ignore_eos=_IGNORE_EOS.value)
 
   if _EXECUTOR.value == "jax" and _WARMUP.value:
-    replay.replay(fresh_engine(setup.engine), trace, make_sampling=make_sampling)
+    scheduler_config = setup.config.scheduler
+    setup.engine.executor.warmup(scheduler_config.max_num_seqs,
+                                 scheduler_config.max_num_batched_tokens)
   compiles_before = getattr(setup.engine.executor, "num_compiles", 0)
+  # The clock of record starts here, after set-up and warm-up.
+  recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock)
+  setup.engine.on_step = recorder.on_step
   bar = progress.Progress(len(trace), f"serve_bench[{_EXECUTOR.value}]")
   scheduler = setup.engine.scheduler
+
+  def show_progress() -> None:
+    stats = scheduler.stats()
+    bar.update(stats["num_finished"] + stats["num_rejections"], f"kv {stats['kv_usage']:.0%}")
+
   replay.replay(setup.engine, trace, make_sampling=make_sampling, on_submit=recorder.track,
-                on_step=lambda: bar.update(
-                    scheduler.stats()["num_finished"] + scheduler.stats()["num_rejections"],
-                    f"kv {scheduler.block_manager.usage:.0%}"))
+                on_step=show_progress)
   bar.close()
   compiles_during_run = getattr(setup.engine.executor, "num_compiles", 0) - compiles_before
   record = dict(
@@ -137,10 +138,10 @@ def main(argv: list[str]) -> None:
       checkpoint=_CHECKPOINT.value, warmup=_WARMUP.value,
       compiles_during_run=compiles_during_run, **premises.environment())
   summary = recorder.summary(record, _SLO_TTFT.value, _SLO_TPOT.value)
-  recorder.write(_WORKDIR.value, summary)
-  workload.save_jsonl(trace, f"{_WORKDIR.value}/trace.jsonl")
+  recorder.write(workdir, summary)
+  workload.save_jsonl(trace, workdir / "trace.jsonl")
   print(format_summary(summary))
-  print(f"\nwrote {_WORKDIR.value}/summary.json, steps.jsonl, requests.jsonl, trace.jsonl")
+  print(f"\nwrote {workdir}/summary.json, steps.jsonl, requests.jsonl, trace.jsonl")
 
 
 def _ms(value: float | None) -> str:

@@ -4,8 +4,9 @@ A request's weight is the KV memory it will occupy, so the gateway estimates it 
 pages — prompt tokens plus the output tokens it is expected to produce — before the
 request may queue. The answers, checked in this order:
 
-  * **400** it can never fit: prompt + max_tokens exceeds the model's context, or
-    needs more pages than the whole pool. Retrying cannot help.
+  * **400** it can never fit: prompt + max_tokens exceeds the model's context, needs
+    more pages than the whole pool, or its estimate would break the watermark even in
+    an empty cache; or its prompt holds ids outside the vocabulary. Retrying cannot help.
   * **503** cache pressure: this estimate, plus the estimates of the requests already
     admitted but not running (waiting or swapped out), would leave fewer free pages
     than the watermark. The memory line is held first, so when both the cache and the
@@ -15,9 +16,14 @@ request may queue. The answers, checked in this order:
 
 The free pages below the watermark are what running requests grow into; refusing at
 the door is what keeps them from being preempted later. Expected output length is a
-policy: the request's `max_tokens` (never overcommits), a fixed number, or the
+policy: the request's `max_tokens` (the most cautious), a fixed number, or the
 running mean of finished outputs (overcommits on purpose and lets preemption absorb
-the tail, the bet vLLM makes, SOSP'23 section 4.5).
+the tail, the bet vLLM makes, SOSP'23 section 4.5). Only requests that hold no pages
+yet are counted at their estimate: once running, a request counts the pages it holds,
+and its further growth is what the watermark's free pages are for. Under sustained
+load of long outputs that buffer can run out, and preemption takes over; reserving
+each running request's full remaining growth would never preempt, at the price of a
+mostly idle cache.
 
 A rejection carries `retry_after`: the seconds until enough pages should be free,
 from the rate at which finished and aborted requests returned pages recently.
@@ -54,10 +60,11 @@ class AdmissionControl:
   """Estimates pages per request, tracks the admitted backlog, and answers arrivals."""
 
   def __init__(self, config: ml_collections.ConfigDict, block_manager: BlockManager,
-               max_model_len: int):
+               max_model_len: int, vocab_size: int | None = None):
     self.config = config
     self.block_manager = block_manager
     self.max_model_len = max_model_len
+    self.vocab_size = vocab_size
     self.watermark_pages = config.watermark * block_manager.num_usable_pages
     self._recent_outputs: collections.deque[int] = collections.deque(
         maxlen=config.output_estimate_window)
@@ -98,7 +105,21 @@ class AdmissionControl:
     if bm.pages_for(total) > bm.num_usable_pages:
       return Admission(BAD_REQUEST, f"{total} tokens need {bm.pages_for(total)} pages, more "
                        f"than the whole pool ({bm.num_usable_pages})", None, rid)
+    if self.vocab_size is not None:
+      bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
+      if bad:
+        return Admission(BAD_REQUEST, f"prompt token ids {bad[:5]} are outside the vocabulary "
+                         f"[0, {self.vocab_size})", None, rid)
     estimate = self.estimate_pages(request)
+    # The smallest this estimate can ever be: the same for fixed policies, the prompt
+    # plus one token once a running mean may shrink it. Above the line even then, the
+    # request can never be admitted and a 503 would have the client retry forever.
+    floor = (estimate if self.config.output_estimate != "running_mean"
+             else bm.pages_for(request.num_prompt_tokens + 1))
+    if bm.num_usable_pages - floor < self.watermark_pages:
+      return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
+                       f"({self.watermark_pages:.1f} of {bm.num_usable_pages} pages kept free) "
+                       "even in an empty cache", None, rid)
     left = bm.num_free_pages - self.num_backlog_pages - estimate
     if left < self.watermark_pages:
       return Admission(

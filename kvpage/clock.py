@@ -15,10 +15,6 @@ class WallClock:
   def __call__(self) -> float:
     return time.monotonic()
 
-  def advance(self, seconds: float) -> None:
-    """Waiting is real here: nothing to do (kept for protocol symmetry)."""
-    del seconds
-
 
 class VirtualClock:
   """Seconds that pass only when `advance` (or `advance_to`) says so."""

@@ -5,17 +5,27 @@ executor) and is model-agnostic: it speaks only `SchedulerOutput` and sampled to
 ids. An offline API in the spirit of vLLM's `LLM`: `add_request` returns the admission
 answer, `step` runs one iteration and returns each request's new tokens and whether
 it finished, `abort` ends a request, `generate` runs a batch of prompts to the end.
+Host side: this module, like the scheduler, never imports jax; the executor does.
 """
 
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
-from kvpage.executor import Executor
 from kvpage.request import Request, RequestStatus, SamplingParams
 from kvpage.scheduler import Admission, Scheduler
+from kvpage.scheduler_output import SchedulerOutput
 
 MAX_IDLE_STEPS = 1000  # empty steps in a row before `generate` declares a stall
+
+
+class Executor(Protocol):
+  """What the engine needs from an executor (`JaxExecutor`, `SimExecutor`, a test fake)."""
+
+  def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    """Runs the step (page copies first); returns a token per sequence that samples."""
+    ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,8 @@ def replay(engine: Engine, trace: Sequence[TraceRequest], *,
   """Runs `trace` through `engine` to the end; returns every submitted request."""
   clock = engine.clock
   pending = collections.deque(sorted(trace, key=lambda r: r.arrival_time))
-  start = clock()
+  # A recorded trace may start at any time: its first arrival is this replay's t = 0.
+  start = clock() - (pending[0].arrival_time if pending else 0.0)
   submitted = []
   while pending or engine.has_unfinished():
     now = clock() - start

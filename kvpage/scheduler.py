@@ -52,14 +52,14 @@ class Scheduler:
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
                max_model_len: int, num_host_pages: int | None = None,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None):
     scheduler_config.check(config, max_model_len)
     self.config = config
     self.max_model_len = max_model_len
     self.clock = clock
     host = config.num_host_pages if num_host_pages is None else num_host_pages
     self.block_manager = BlockManager(num_pages, page_size, host)
-    self.admission = AdmissionControl(config, self.block_manager, max_model_len)
+    self.admission = AdmissionControl(config, self.block_manager, max_model_len, vocab_size)
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.swapped: list[Request] = []
@@ -80,15 +80,18 @@ class Scheduler:
   def add_request(self, request: Request) -> Admission:
     """Answers an arrival: 200 admitted (queued), or 400/429/503 with a reason."""
     now = self.clock()
+    if request.request_id in self.requests:
+      # Answer without touching the request: it may be the live object itself.
+      self._rejections[400] += 1
+      answer = Admission(400, f"duplicate request_id {request.request_id!r}", None,
+                         request.request_id)
+      self._rejected.append(answer)
+      return answer
     if request.arrival_time is None:
       request.arrival_time = now
     request.log(now, "queued", num_prompt_tokens=request.num_prompt_tokens,
                 max_tokens=request.sampling.max_tokens, priority=request.priority)
-    if request.request_id in self.requests:
-      answer = Admission(400, f"duplicate request_id {request.request_id!r}", None,
-                         request.request_id)
-    else:
-      answer = self.admission.decide(request, len(self.waiting), now)
+    answer = self.admission.decide(request, len(self.waiting), now)
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
       request.log(now, "rejected", status=answer.status, reason=answer.reason,

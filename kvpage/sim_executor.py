@@ -8,11 +8,13 @@ this is how the 13B setup runs on a laptop, in seconds, with the very same polic
 code that serves real traffic.
 
 The roofline (Williams et al., CACM 2009): a step takes the longer of
-  * compute: 2 x parameters x tokens (every weight multiplies every token once, a
-    multiply-add = 2 FLOPs) plus attention, 4 x layers x heads x head_dim FLOPs for
-    each (query, key) pair, over peak FLOP/s x compute efficiency;
-  * memory: the weights read once per step, every context token's keys and values
-    read, the new tokens' keys and values written, over HBM bandwidth x efficiency;
+  * compute: 2 x (decoder-layer parameters) x tokens (every weight multiplies every
+    token once, a multiply-add = 2 FLOPs), plus the LM head for the rows that sample
+    only, plus attention, 4 x layers x heads x head_dim FLOPs for each (query, key)
+    pair, over peak FLOP/s x compute efficiency (the input embedding is a gather);
+  * memory: the weights read once per step (the embedding table only for its gathered
+    rows, unless tied to the LM head), every context token's keys and values read,
+    the new tokens' keys and values written, over HBM bandwidth x efficiency;
 plus a fixed per-step overhead, plus swap copies over the host link. Prefill (many
 tokens, one pass over the weights) comes out compute-bound and decode (one token
 per sequence, every weight and KV byte re-read) bandwidth-bound, as in the mission.
@@ -56,20 +58,29 @@ class Roofline:
   def __init__(self, model: capacity.ModelShape, hardware: HardwareSpec, *,
                weight_dtype: str, kv_dtype: str | None = None, page_size: int = 16):
     self.model, self.hardware, self.page_size = model, hardware, page_size
-    self.num_parameters = capacity.num_parameters(model)
-    self.weight_bytes = capacity.weight_bytes(model, weight_dtype)
+    self.embedding_parameters = model.vocab_size * model.d_model
+    self.layer_parameters = capacity.num_parameters(model) - self.embedding_parameters * (
+        1 if model.tie_embeddings else 2)
+    self.weight_itemsize = capacity.dtype_bytes(weight_dtype)
+    # Read every step: decoder layers and the LM head (which is the table, when tied).
+    self.weight_bytes = (self.layer_parameters + self.embedding_parameters) * self.weight_itemsize
     self.kv_bytes_per_token = capacity.kv_bytes_per_token(model, kv_dtype or weight_dtype)
     self.flops_per_pair = 4 * model.num_layers * model.num_heads * model.head_dim
 
-  def step_cost(self, sequences: list[tuple[int, int]], num_swapped_pages: int = 0) -> StepCost:
-    """`sequences`: `(new tokens, context length including them)` per scheduled sequence."""
+  def step_cost(self, sequences: list[tuple[int, int]], num_swapped_pages: int = 0,
+                num_sampled: int | None = None) -> StepCost:
+    """`sequences`: `(new tokens, context length including them)` per scheduled sequence;
+    `num_sampled` rows go through the LM head (default: one per sequence)."""
     num_tokens = sum(n for n, _ in sequences)
+    num_sampled = len(sequences) if num_sampled is None else num_sampled
     # Query i of n new tokens in a context of c sees c - n + i + 1 keys.
     pairs = sum(n * (c - n) + n * (n + 1) // 2 for n, c in sequences)
-    flops = 2.0 * self.num_parameters * num_tokens + self.flops_per_pair * pairs
+    flops = (2.0 * self.layer_parameters * num_tokens
+             + 2.0 * self.embedding_parameters * num_sampled + self.flops_per_pair * pairs)
     context_tokens = sum(c - n for n, c in sequences)
-    bytes_moved = (self.weight_bytes if sequences else 0) + self.kv_bytes_per_token * (
-        context_tokens + num_tokens)
+    embedding_rows = num_tokens * self.model.d_model * self.weight_itemsize
+    bytes_moved = ((self.weight_bytes + embedding_rows) if sequences else 0) + (
+        self.kv_bytes_per_token * (context_tokens + num_tokens))
     swap_bytes = num_swapped_pages * self.page_size * self.kv_bytes_per_token
     hw = self.hardware
     return StepCost(
@@ -91,7 +102,8 @@ class SimExecutor:
   def execute(self, output: SchedulerOutput) -> dict[str, int]:
     sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
                  for seq in output.scheduled]
-    cost = self.roofline.step_cost(sequences, len(output.swap_out) + len(output.swap_in))
+    cost = self.roofline.step_cost(sequences, len(output.swap_out) + len(output.swap_in),
+                                   num_sampled=sum(seq.samples for seq in output.scheduled))
     self.costs.append(cost)
     self.clock.advance(cost.seconds)
     return {seq.request_id: DUMMY_TOKEN for seq in output.scheduled if seq.samples}

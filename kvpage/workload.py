@@ -36,20 +36,34 @@ class TraceRequest:
   output_len: int
   priority: int = 0
 
+  def __post_init__(self):
+    if not isinstance(self.arrival_time, (int, float)) or not (
+        math.isfinite(self.arrival_time) and self.arrival_time >= 0):
+      raise ValueError(f"{self.request_id}: arrival_time must be a finite number of seconds "
+                       f">= 0, got {self.arrival_time!r}")
+    if not self.prompt_ids or not all(isinstance(t, int) for t in self.prompt_ids):
+      raise ValueError(f"{self.request_id}: prompt_ids must be a non-empty list of integers")
+    for name in ("output_len", "priority"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{self.request_id}: {name} must be an integer, got {value!r}")
+    if self.output_len < 1:
+      raise ValueError(f"{self.request_id}: output_len must be >= 1, got {self.output_len}")
+
   @property
   def prompt_len(self) -> int:
     return len(self.prompt_ids)
 
 
-def _numbers(spec: str, fields: Sequence[str]) -> list[float]:
+def _numbers(spec: str, fields: Sequence[str], what: str = "length") -> list[float]:
   parts = spec.split(":")[1:]
   if len(parts) != len(fields):
-    raise ValueError(f"length spec {spec!r} needs {len(fields)} values: "
+    raise ValueError(f"{what} spec {spec!r} needs {len(fields)} values: "
                      f"{spec.split(':')[0]}:{':'.join(f.upper() for f in fields)}")
   try:
     return [float(part) for part in parts]
   except ValueError:
-    raise ValueError(f"length spec {spec!r} has a non-numeric value") from None
+    raise ValueError(f"{what} spec {spec!r} has a non-numeric value") from None
 
 
 def parse_lengths(spec: str) -> Sampler:
@@ -84,7 +98,7 @@ def parse_priorities(spec: str) -> Sampler:
   if spec.lstrip("-").isdigit():
     return lambda rng, n: np.full(n, int(spec))
   if spec.startswith("uniform:"):
-    low, high = _numbers(spec, ("lo", "hi"))
+    low, high = _numbers(spec, ("lo", "hi"), "priority")
     if low > high:
       raise ValueError(f"priority spec {spec!r} needs LO <= HI")
     return lambda rng, n: rng.integers(int(low), int(high) + 1, n)
@@ -100,7 +114,7 @@ def arrival_times(rng: np.random.Generator, num: int, rate: float, process: str)
   if process == "poisson":
     gaps = rng.exponential(1.0 / rate, num)
   elif process.startswith("gamma:"):
-    cv = _numbers(process, ("cv",))[0]
+    cv = _numbers(process, ("cv",), "arrival process")[0]
     if cv <= 0:
       raise ValueError(f"gamma arrivals need CV > 0, got {process!r}")
     shape = 1.0 / cv**2  # mean = shape * scale = 1 / rate; CV = 1 / sqrt(shape)
@@ -124,7 +138,7 @@ def synthesize(*, num_requests: int, arrival_rate: float, prompt_len: str, outpu
   outputs = parse_lengths(output_len)(rng, num_requests).astype(int)
   priorities = parse_priorities(priority)(rng, num_requests).astype(int)
   return [TraceRequest(f"req-{i}", float(times[i]),
-                       tuple(int(t) for t in rng.integers(1, vocab_size, prompts[i])),
+                       tuple(rng.integers(1, vocab_size, prompts[i]).tolist()),
                        int(outputs[i]), int(priorities[i])) for i in range(num_requests)]
 
 
@@ -145,8 +159,14 @@ def load_jsonl(path: str | pathlib.Path) -> list[TraceRequest]:
         fields = json.loads(line)
         fields["prompt_ids"] = tuple(fields["prompt_ids"])
         trace.append(TraceRequest(**fields))
-      except (json.JSONDecodeError, TypeError, KeyError) as error:
+      except (json.JSONDecodeError, TypeError, KeyError, ValueError) as error:
         raise ValueError(f"{path}:{number}: not a trace request ({error})") from None
+  if not trace:
+    raise ValueError(f"{path}: the trace is empty")
+  ids = [request.request_id for request in trace]
+  if len(set(ids)) != len(ids):
+    duplicate = next(i for i in ids if ids.count(i) > 1)
+    raise ValueError(f"{path}: request_id {duplicate!r} appears more than once")
   return trace
 
 
@@ -156,8 +176,8 @@ def summarize(trace: Sequence[TraceRequest]) -> dict:
     values = np.asarray(values)
     return dict(min=int(values.min()), p50=float(np.median(values)),
                 mean=float(values.mean()), max=int(values.max()))
-  duration = trace[-1].arrival_time - trace[0].arrival_time
-  return dict(num_requests=len(trace), duration_s=duration,
+  times = [r.arrival_time for r in trace]
+  return dict(num_requests=len(trace), duration_s=max(times) - min(times),
               prompt_len=stats([r.prompt_len for r in trace]),
               output_len=stats([r.output_len for r in trace]),
               priority=stats([r.priority for r in trace]))

@@ -30,11 +30,14 @@ class CheckpointError(ValueError):
 
 def _read_json(path: pathlib.Path) -> dict:
   try:
-    return json.loads(path.read_text())
+    value = json.loads(path.read_text())
   except FileNotFoundError:
     raise CheckpointError(f"{path} is missing") from None
   except json.JSONDecodeError as error:
     raise CheckpointError(f"{path} is not valid JSON: {error}") from None
+  if not isinstance(value, dict):
+    raise CheckpointError(f"{path} holds a JSON {type(value).__name__}, not an object")
+  return value
 
 
 def model_config_from_hf(hf: dict, dtype: str | None = None) -> ml_collections.ConfigDict:
@@ -105,8 +108,11 @@ def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
   if not single.exists():
     raise CheckpointError(f"{directory} has neither model.safetensors nor "
                           "model.safetensors.index.json")
-  with safetensors.safe_open(single, framework="numpy") as f:
-    return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+  try:
+    with safetensors.safe_open(single, framework="numpy") as f:
+      return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+  except Exception as error:  # safetensors raises its own error types for bad files
+    raise CheckpointError(f"cannot read {single}: {error}") from None
 
 
 def load(checkpoint_dir: str | pathlib.Path,
@@ -118,7 +124,11 @@ def load(checkpoint_dir: str | pathlib.Path,
   directory = pathlib.Path(checkpoint_dir)
   if not directory.is_dir():
     raise CheckpointError(f"checkpoint directory {directory} does not exist")
-  config = model_config_from_hf(_read_json(directory / "config.json"), dtype)
+  try:
+    config = model_config_from_hf(_read_json(directory / "config.json"), dtype)
+  except (KeyError, TypeError) as error:
+    raise CheckpointError(f"{directory / 'config.json'}: missing or malformed field "
+                          f"{error}") from None
   target = paged_cache.jnp_dtype(config.dtype)
   files = _tensor_files(directory)
   params: dict[str, Any] = {}
@@ -127,8 +137,11 @@ def load(checkpoint_dir: str | pathlib.Path,
       raise CheckpointError(f"tensor {name} is missing from {directory}")
     if not files[name].exists():
       raise CheckpointError(f"shard {files[name]} (holding {name}) is missing")
-    with safetensors.safe_open(files[name], framework="flax") as f:
-      tensor = f.get_tensor(name)
+    try:
+      with safetensors.safe_open(files[name], framework="flax") as f:
+        tensor = f.get_tensor(name)
+    except Exception as error:  # safetensors raises its own error types for bad files
+      raise CheckpointError(f"cannot read tensor {name} from {files[name]}: {error}") from None
     if tuple(tensor.shape) != shape:
       raise CheckpointError(f"tensor {name} has shape {tuple(tensor.shape)}, but config.json "
                             f"implies {shape}")

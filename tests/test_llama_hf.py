@@ -101,6 +101,16 @@ def test_loader_errors_are_specific(tmp_path):
                                      "num_hidden_layers": 3}))
   with pytest.raises(hf.CheckpointError, match=r"model\.layers\.2\..* is missing"):
     hf.load(tmp_path)
+  config_path.write_text(json.dumps([original]))
+  with pytest.raises(hf.CheckpointError, match="JSON list, not an object"):
+    hf.load(tmp_path)
+  config_path.write_text(json.dumps({k: v for k, v in original.items() if k != "rms_norm_eps"}))
+  with pytest.raises(hf.CheckpointError, match="missing or malformed field 'rms_norm_eps'"):
+    hf.load(tmp_path)
+  config_path.write_text(json.dumps(original))
+  (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+  with pytest.raises(hf.CheckpointError, match="cannot read"):
+    hf.load(tmp_path)
   (tmp_path / "model.safetensors").unlink()
   with pytest.raises(hf.CheckpointError, match=r"neither model\.safetensors"):
     hf.load(tmp_path)

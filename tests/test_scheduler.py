@@ -71,10 +71,12 @@ def test_503_at_the_watermark_boundary():
   # 99 usable pages, watermark 15% = 14.85 pages must stay free after admission.
   scheduler, _ = make(num_pages=100, watermark=0.15)
   assert scheduler.add_request(req("a", 1300, 44)).admitted  # 84 pages: 15 left >= 14.85
-  scheduler.abort("a")
-  answer = scheduler.add_request(req("b", 1300, 45))  # 85 pages: 14 left < 14.85
+  answer = scheduler.add_request(req("b", 15, 1))  # 1 page more: 14 left < 14.85
   assert answer.status == 503 and "cache pressure" in answer.reason
   assert answer.retry_after is not None and answer.retry_after > 0
+  # 85 pages would break the watermark even in an empty cache: 400, not a retryable 503.
+  scheduler.abort("a")
+  assert scheduler.add_request(req("c", 1300, 45)).status == 400
 
 
 def test_503_counts_the_admitted_backlog():
@@ -88,7 +90,7 @@ def test_503_counts_the_admitted_backlog():
 def test_output_estimate_policies_change_the_503_line():
   # max_tokens 1,000 => 63 pages with "max_tokens"; 1 page with fixed=16.
   pessimist, _ = make(num_pages=64, watermark=0.15)
-  assert pessimist.add_request(req("a", 8, 1000)).status == 503
+  assert pessimist.add_request(req("a", 8, 1000)).status == 400  # 63 pages: never under it
   optimist, _ = make(num_pages=64, watermark=0.15, output_estimate="fixed",
                      fixed_output_estimate=8)
   assert optimist.add_request(req("a", 8, 1000)).admitted
@@ -106,14 +108,16 @@ def test_running_mean_learns_from_finished_outputs():
 def test_retry_after_follows_the_recent_page_free_rate():
   scheduler, clock = make(num_pages=32, page_size=4, watermark=0.25, retry_after_window_s=10.0)
   assert scheduler.add_request(req("a", 40, 4)).admitted
-  step(scheduler)  # its 40-token prefill holds 10 pages
+  assert scheduler.add_request(req("z", 20, 4)).admitted
+  step(scheduler)  # prefills: a holds 10 pages, z holds 5
   clock.now = 5.0
-  scheduler.abort("a")  # 10 pages freed inside the 10 s window: 1 page/s
-  # 31 usable, watermark 7.75; 26 pages leaves 5: short by 2.75 pages -> 2.75 s.
-  answer = scheduler.add_request(req("b", 100, 4))
-  assert answer.status == 503 and answer.retry_after == pytest.approx(2.75)
+  scheduler.abort("z")  # 5 pages freed inside the 10 s window: 0.5 page/s
+  # 31 usable, watermark 7.75; 16 more pages leave 21 - 16 = 5: short by 2.75 pages, which
+  # at 0.5 page/s is 5.5 s. (In an empty cache it would fit: a 503, not a 400.)
+  answer = scheduler.add_request(req("b", 60, 4))
+  assert answer.status == 503 and answer.retry_after == pytest.approx(5.5)
   clock.now = 30.0  # the free left the window: fall back to the default
-  assert scheduler.add_request(req("c", 100, 4)).retry_after == 1.0
+  assert scheduler.add_request(req("c", 60, 4)).retry_after == 1.0
 
 
 # Admission: 429.

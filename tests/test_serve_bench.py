@@ -72,3 +72,31 @@ def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
   result = serve(tmp_path, *flags)
   assert result.returncode != 0 and "Traceback" not in result.stderr
   assert message in result.stderr.strip().splitlines()[-1], result.stderr
+
+
+def test_unusable_inputs_fail_before_the_run(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  cases = [
+      ([f"--workdir={blocker}/sub", "--executor=sim"], "not a writable directory"),
+      (["--executor=sim", f"--trace={tmp_path}/missing.jsonl"], "No such file"),
+      (["--executor=sim", "--slo_ttft=-1"], "must be > 0 seconds"),
+      (["--executor=sim", "--page_size=0"], "--page_size must be a positive"),
+  ]
+  for flags, message in cases:
+    result = subprocess.run(
+        [sys.executable, "-m", "experiments.serve_bench", f"--workdir={tmp_path}/w",
+         "--compilation_cache=", *flags],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert message in result.stderr.strip().splitlines()[-1], result.stderr
+
+
+def test_measured_clock_starts_after_warmup(tmp_path):
+  result = serve(tmp_path, "--num_requests=4", "--arrival_rate=inf", "--prompt_len=8",
+                 "--output_len=2")
+  assert result.returncode == 0, result.stderr
+  summary = check_summary(tmp_path)
+  assert summary["premises"]["compiles_during_run"] == 0  # warm-up compiled every shape
+  first = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])
+  assert first["time"] < 2.0  # not the seconds that compilation took

@@ -60,9 +60,15 @@ def test_roofline_prefill_is_compute_bound_and_decode_bandwidth_bound():
   prefill = roofline.step_cost([(2048, 2048)])
   decode = roofline.step_cost([(1, 1024)] * 32)
   assert prefill.bound == "compute" and decode.bound == "memory"
-  # Decode at batch 1 is the weights over bandwidth: 26.03 GB / (2,039 GB/s x 0.8).
+  # Decode at batch 1 is the weights over bandwidth: 26.03 GB less the input embedding
+  # table (a 32000 x 5120 fp16 gather of one row), over 2,039 GB/s x 0.8.
   single = roofline.step_cost([(1, 1)])
-  assert math.isclose(single.memory_s, 26_031_728_640 / (2_039e9 * 0.8), rel_tol=1e-3)
+  weights_read = 26_031_728_640 - 32000 * 5120 * 2 + 5120 * 2
+  assert math.isclose(single.memory_s, (weights_read + 819_200) / (2_039e9 * 0.8),
+                      rel_tol=1e-9)
+  # Prefill FLOPs: 2 x decoder-layer params per token, the LM head for one row only.
+  layer_params = 13_015_864_320 - 2 * 32000 * 5120
+  assert prefill.flops > 2 * layer_params * 2048 + 2 * 32000 * 5120
   assert single.seconds == pytest.approx(single.memory_s + A100.step_overhead_s)
 
 

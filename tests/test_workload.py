@@ -66,3 +66,29 @@ def test_trace_fields_and_jsonl_round_trip(tmp_path):
     workload.load_jsonl(path)
   summary = workload.summarize(requests)
   assert summary["num_requests"] == 20 and summary["output_len"]["max"] <= 64
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"request_id": "a", "arrival_time": NaN, "prompt_ids": [1], "output_len": 2}', "finite"),
+    ('{"request_id": "a", "arrival_time": -1, "prompt_ids": [1], "output_len": 2}', ">= 0"),
+    ('{"request_id": "a", "arrival_time": "0.5", "prompt_ids": [1], "output_len": 2}', "finite"),
+    ('{"request_id": "a", "arrival_time": 0, "prompt_ids": [], "output_len": 2}', "non-empty"),
+    ('{"request_id": "a", "arrival_time": 0, "prompt_ids": [1], "output_len": 0}', ">= 1"),
+    ('{"request_id": "a", "arrival_time": 0, "prompt_ids": [1], "output_len": 2.5}', "integer"),
+])
+def test_malformed_trace_entries_are_rejected_with_their_line(tmp_path, line, message):
+  path = tmp_path / "t.jsonl"
+  path.write_text(line + "\n")
+  with pytest.raises(ValueError, match=rf"t\.jsonl:1: .*{message}"):
+    workload.load_jsonl(path)
+
+
+def test_empty_and_duplicate_traces_are_rejected(tmp_path):
+  path = tmp_path / "t.jsonl"
+  path.write_text("\n")
+  with pytest.raises(ValueError, match="empty"):
+    workload.load_jsonl(path)
+  entry = '{"request_id": "a", "arrival_time": 0, "prompt_ids": [1], "output_len": 2}\n'
+  path.write_text(entry * 2)
+  with pytest.raises(ValueError, match="'a' appears more than once"):
+    workload.load_jsonl(path)
