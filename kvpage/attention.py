@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-DEFAULT_TOKENS_PER_CHUNK = 128  # measured best for CPU decode (benchmarks/attention_cpu.py)
+DEFAULT_TOKENS_PER_CHUNK = 32  # two pages: prefill gathers per token, so short chunks waste least
 
 
 def validate(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, block_tables: jax.Array,
