@@ -80,11 +80,5 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       lambda *args: _mixed(*args, **options), *operands)
 
 
-def ragged_paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                                     block_tables: jax.Array, context_lens: jax.Array,
-                                     query_start_loc: jax.Array, sm_scale: float | None = None,
-                                     soft_cap: float | None = None) -> jax.Array:
-  """The oracle both kernels are tested against: `kvpage.attention`, unchanged."""
-  return attention.ragged_paged_attention(
-      q, k_pages, v_pages, block_tables=block_tables, context_lens=context_lens,
-      query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap)
+# The oracle both kernels are tested against: `kvpage.attention`, unchanged.
+ragged_paged_attention_reference = ragged_attention.ragged_mixed_attention_reference
