@@ -65,8 +65,8 @@ class JaxExecutor:
                                   buckets=self.buckets)
     tokens, self.cache = self.step(self.params, self.cache, batch, info.all_greedy)
     self.num_steps += 1
-    return {request_id: int(token) for request_id, token, samples
-            in zip(info.request_ids, tokens, info.samples) if samples}
+    return {request_id: token for request_id, token, samples
+            in zip(info.request_ids, tokens.tolist(), info.samples) if samples}
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,)) -> int:
