@@ -17,10 +17,7 @@ Prints a table with its premises (machine, Python, knobs) and writes JSON with
 
 import json
 import math
-import os
-import platform
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -28,6 +25,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
+from kvpage import premises as environment
 from kvpage.request import Request, SamplingParams
 from kvpage.scheduler import Scheduler
 
@@ -87,9 +85,7 @@ def summarize(seconds: list[float]) -> dict[str, float]:
 def premises(config, scheduler: Scheduler) -> dict:
   sched = config.scheduler
   return dict(
-      machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
-      platform=platform.platform(), cpu_count=os.cpu_count(),
-      python=sys.version.split()[0], numpy=np.__version__,
+      **environment.environment(),
       num_running=_NUM_RUNNING.value, num_waiting=_NUM_WAITING.value,
       prompt_len=_PROMPT_LEN.value, max_tokens=_MAX_TOKENS.value,
       num_steps=_NUM_STEPS.value, num_warmup=_NUM_WARMUP.value,
@@ -102,8 +98,8 @@ def format_table(record: dict) -> str:
   knobs = p["scheduler"]
   lines = [
       "kvpage scheduler overhead (fake tokens, no model)",
-      f"  machine      {p['machine']}, {p['cpu_count']} CPUs, {p['platform']}",
-      f"  python       {p['python']}, numpy {p['numpy']}",
+      f"  machine      {p['processor']}, {p['cpu_count']} CPUs, {p['platform']}",
+      f"  python       {p['python']}, numpy {p['packages']['numpy']}",
       f"  load         {p['num_running']} running + {p['num_waiting']} waiting; prompts of "
       f"{p['prompt_len']} tokens, {p['num_pages']:,} pages of {p['page_size']} tokens",
       f"  knobs        prefill={knobs['prefill_policy']} chunk={knobs['chunk_size']} "
