@@ -377,7 +377,9 @@ def test_every_config_carries_a_scheduler_section():
 
 
 def test_host_modules_never_import_jax():
-  code = ("import sys; import kvpage.scheduler, kvpage.block_manager, kvpage.request; "
+  code = ("import sys; import kvpage.scheduler, kvpage.block_manager, kvpage.request, "
+          "kvpage.batch, kvpage.engine, kvpage.replay, kvpage.metrics, kvpage.workload, "
+          "kvpage.sim_executor, kvpage.capacity; "
           "assert 'jax' not in sys.modules, 'jax imported'")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
