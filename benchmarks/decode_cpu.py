@@ -9,9 +9,13 @@ from `--prompt_len`-token prompts with greedy decoding, all sequences together:
     warm-up run that compiles every bucket used;
   * transformers: batched greedy `generate` with its default dynamic cache and with
     `cache_implementation="static"`; the faster is reported as HF's best.
-Generated tokens/s = batch x new tokens / wall time (prefill included for both). The
-kvpage row also splits its time into the jitted step and host work (scheduling,
-batch building, bookkeeping), and counts compilations during the timed run.
+Generated tokens/s = batch x new tokens / wall time (prefill included for both).
+kvpage runs with async scheduling (the default: step N+1 is scheduled and launched
+while step N runs) and, for comparison, synchronously. For each, the batches the
+engine launched are replayed through the jitted step alone, back to back: `step ms`
+is that executor time per step, `host +%` what the engine's host work (scheduling,
+batch building, bookkeeping) adds to it (engine wall / replay - 1). Compilations
+during the timed runs are counted (expected: 0).
 Requires the `test` extra (torch, transformers).
 """
 
@@ -20,6 +24,7 @@ import pathlib
 import tempfile
 import time
 
+import jax
 import numpy as np
 import torch
 import transformers
@@ -36,7 +41,7 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per sequence.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per sequence.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed runs per cell (best is kept).")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed runs per cell (best is kept).")
 _OUT = flags.DEFINE_string("out", "decode_cpu.json", "Where to write the JSON record.")
 
 
@@ -56,41 +61,67 @@ def save_random_checkpoint(model_config, directory: pathlib.Path):
   return model
 
 
-class TimedStep:
-  """Wraps the executor's jitted step to add up the seconds spent inside it."""
+_BACKEND_COMPILES = []  # every XLA compilation in this process (jax.monitoring)
+
+
+def _count_compiles(event: str, seconds: float, **kwargs) -> None:
+  del seconds, kwargs  # Unused.
+  if event == "/jax/core/compile/backend_compile_duration":
+    _BACKEND_COMPILES.append(event)
+
+
+class RecordingStep:
+  """Wraps the executor's jitted step to keep every batch it launches, for `replay_steps`."""
 
   def __init__(self, step):
-    self.step, self.seconds, self.calls = step, 0.0, 0
+    self.step, self.records = step, []
 
-  @property
-  def num_compiles(self) -> int:
-    return self.step.num_compiles
+  def __getattr__(self, name):
+    return getattr(self.step, name)
 
-  def __call__(self, *args, **kwargs):
+  def dispatch(self, params, cache, batch, all_greedy, feed=None):
+    self.records.append((batch, all_greedy))
+    return self.step.dispatch(params, cache, batch, all_greedy, feed)
+
+
+def replay_steps(executor, records, repeats: int) -> float:
+  """Seconds the executor's step alone takes for `records`, back to back (best of repeats).
+
+  Each step is launched and waited for (sampled ids to numpy), feeding the next from
+  its output as the engine does: the engine's wall time minus this is what its host
+  work (scheduling, batch building, bookkeeping) adds.
+  """
+  step = executor.step.step
+  best = float("inf")
+  for _ in range(repeats):
+    feed = None
     start = time.perf_counter()
-    result = self.step(*args, **kwargs)
-    self.seconds += time.perf_counter() - start
-    self.calls += 1
-    return result
+    for batch, all_greedy in records:
+      feed, executor.cache = step.dispatch(executor.params, executor.cache, batch, all_greedy,
+                                           feed)
+      np.asarray(feed)
+    best = min(best, time.perf_counter() - start)
+  return best
 
 
 def time_kvpage(engine, prompts, new_tokens, repeats):
   sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-  timed = engine.executor.step = TimedStep(engine.executor.step)
+  recording = engine.executor.step = RecordingStep(engine.executor.step)
   engine.generate(prompts, sampling)  # warm-up: compiles every bucket this run uses
-  compiles_before = engine.executor.num_compiles
+  compiles_before = len(_BACKEND_COMPILES)
   best = None
   for _ in range(repeats):
-    timed.seconds, timed.calls = 0.0, 0
+    recording.records = []
     start = time.perf_counter()
     requests = engine.generate(prompts, sampling)
     wall = time.perf_counter() - start
     if any(len(r.output_ids) != new_tokens for r in requests):
       raise RuntimeError("kvpage generated the wrong number of tokens")
     if best is None or wall < best["wall_s"]:
-      best = dict(wall_s=wall, step_s=timed.seconds, num_steps=timed.calls)
-  best["host_s"] = best["wall_s"] - best["step_s"]
-  best["recompiles"] = engine.executor.num_compiles - compiles_before
+      best = dict(wall_s=wall, num_steps=len(recording.records), records=recording.records)
+  best["step_s"] = replay_steps(engine.executor, best.pop("records"), repeats)
+  best["host_added"] = best["wall_s"] / best["step_s"] - 1
+  best["recompiles"] = len(_BACKEND_COMPILES) - compiles_before
   return best
 
 
@@ -117,6 +148,7 @@ def time_hf(model, prompts, new_tokens, repeats):
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
+  jax.monitoring.register_event_duration_secs_listener(_count_compiles)
   config = cli.load_config(_CONFIG)
   model_config = config.model
   rng = np.random.default_rng(0)
@@ -130,34 +162,44 @@ def main(argv: list[str]) -> None:
         f"{_NEW_TOKENS.value} new tokens, page size {_PAGE_SIZE.value}, CPU, torch threads "
         f"{torch.get_num_threads()}")
   print(f"{'batch':>5} {'kvpage tok/s':>13} {'HF tok/s':>10} {'HF cache':>9} {'ratio':>6} "
-        f"{'step ms':>8} {'host ms':>8} {'host %':>7} {'recompiles':>10}")
+        f"{'step ms':>8} {'engine ms':>9} {'host +%':>8} {'sync tok/s':>10} {'sync +%':>8} "
+        f"{'recompiles':>10}")
   for batch in map(int, _BATCHES.value):
     prompts = rng.integers(1, model_config.vocab_size, (batch, _PROMPT_LEN.value)).tolist()
     num_pages = 1 + batch * -(-(_PROMPT_LEN.value + _NEW_TOKENS.value) // _PAGE_SIZE.value)
     config.scheduler.watermark = 0.0  # an offline batch sized to fit: admit everything
-    engine = build.llama_engine(loaded_config, params, config.scheduler, num_pages=num_pages,
-                                page_size=_PAGE_SIZE.value)
-    ours = time_kvpage(engine, prompts, _NEW_TOKENS.value, _REPEATS.value)
+    runs = {}
+    for mode in (True, False):  # async scheduling (the default), then synchronous
+      config.scheduler.async_scheduling = mode
+      engine = build.llama_engine(loaded_config, params, config.scheduler, num_pages=num_pages,
+                                  page_size=_PAGE_SIZE.value)
+      runs["async" if mode else "sync"] = time_kvpage(engine, prompts, _NEW_TOKENS.value,
+                                                      _REPEATS.value)
+    ours, sync = runs["async"], runs["sync"]
     theirs = time_hf(hf_model, prompts, _NEW_TOKENS.value, _REPEATS.value)
     numeric = {k: v for k, v in theirs.items() if isinstance(v, float)}
     best_cache = min(numeric, key=numeric.get)
     tokens = batch * _NEW_TOKENS.value
     row = dict(batch=batch, kvpage_tokens_per_s=tokens / ours["wall_s"],
                hf_tokens_per_s=tokens / numeric[best_cache], hf_best_cache=best_cache,
-               hf_seconds=theirs, kvpage=ours)
+               hf_seconds=theirs, kvpage=ours, kvpage_sync=sync,
+               kvpage_sync_tokens_per_s=tokens / sync["wall_s"])
     row["ratio"] = row["kvpage_tokens_per_s"] / row["hf_tokens_per_s"]
     rows.append(row)
     steps = ours["num_steps"]
     print(f"{batch:>5} {row['kvpage_tokens_per_s']:>13.0f} {row['hf_tokens_per_s']:>10.0f} "
           f"{best_cache:>9} {row['ratio']:>6.2f} {1e3 * ours['step_s'] / steps:>8.2f} "
-          f"{1e3 * ours['host_s'] / steps:>8.2f} {ours['host_s'] / ours['wall_s']:>7.1%} "
-          f"{ours['recompiles']:>10}")
+          f"{1e3 * ours['wall_s'] / steps:>9.2f} {ours['host_added']:>8.1%} "
+          f"{row['kvpage_sync_tokens_per_s']:>10.0f} {sync['host_added']:>8.1%} "
+          f"{ours['recompiles'] + sync['recompiles']:>10}")
   record = dict(benchmark="decode_cpu", premises=dict(
       model=model_config.name, dims={k: model_config[k] for k in (
           "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
           "vocab_size")}, dtype="fp32", prompt_len=_PROMPT_LEN.value,
       new_tokens=_NEW_TOKENS.value, page_size=_PAGE_SIZE.value, sampling="greedy",
-      batch_policy="all prompts submitted at once; continuous batching, chunked prefill",
+      batch_policy="all prompts submitted at once; continuous batching, chunked prefill; "
+      "kvpage async scheduling (sync run reported beside it)",
+      attention_impl=model_config.attention_impl,
       repeats=_REPEATS.value, torch_threads=torch.get_num_threads(),
       **premises.environment()), rows=rows)
   with open(_OUT.value, "w") as f:

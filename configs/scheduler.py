@@ -35,6 +35,10 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       # Preemption when a running request needs a page and none is free.
       preemption_mode="recompute",  # recompute | swap | abort
       num_host_pages=0,  # host swap pool; Scheduler(num_host_pages=...) overrides it
+      # Async scheduling (vLLM's --async-scheduling): schedule and launch step N+1 while
+      # step N runs, so host work hides behind the device. Real runs only: a simulated
+      # GPU runs on virtual time, with no host work to hide.
+      async_scheduling=True,
   ))
 
 
@@ -59,6 +63,9 @@ def check(config: ml_collections.ConfigDict, max_model_len: int) -> None:
   for key in _POSITIVE_FLOATS:
     if not config[key] > 0:
       raise ValueError(f"scheduler.{key} must be > 0, got {config[key]!r}")
+  if not isinstance(config.async_scheduling, bool):
+    raise ValueError(f"scheduler.async_scheduling must be true or false, got "
+                     f"{config.async_scheduling!r}")
   if not 0 <= config.watermark < 1:
     raise ValueError(f"scheduler.watermark must be a fraction in [0, 1), got {config.watermark}")
   _check_choice(config, "output_estimate", OUTPUT_ESTIMATES)

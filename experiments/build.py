@@ -46,7 +46,8 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                         max_model_len=model_config.max_seq_len,
                         num_host_pages=num_host_pages, clock=clock or WallClock(),
                         vocab_size=model_config.vocab_size)
-  return Engine(scheduler, executor, on_step=on_step)
+  return Engine(scheduler, executor, on_step=on_step,
+                async_scheduling=scheduler_config.async_scheduling)
 
 
 def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,

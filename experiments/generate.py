@@ -30,7 +30,8 @@ _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off.")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed (prompt i uses seed + i).")
-_ATTENTION = flags.DEFINE_string("attention_impl", None, "reference | pallas (default: config).")
+_ATTENTION = flags.DEFINE_string("attention_impl", None,
+                                 "xla | reference | pallas (default: config).")
 
 
 def parse_prompts(text: str, vocab_size: int) -> list[list[int]]:

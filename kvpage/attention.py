@@ -225,53 +225,141 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   q_grouped = (q[:num_seqs].astype(jnp.float32) * sm_scale).reshape(
       num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(1, 0, 2, 3)
-  out = _decode_fold(q_grouped, k_pages, v_pages, rows, context_lens[:num_seqs],
-                     max(1, tokens_per_chunk // page_size), soft_cap)
+  out = _fold(q_grouped, k_pages, v_pages, rows, context_lens[:num_seqs, None],
+              max(1, tokens_per_chunk // page_size), soft_cap)
   out = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
   return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
 
 
-def _decode_fold(q_grouped, k_pages, v_pages, rows, lens, pages_per_chunk, soft_cap):
+def _fold(q_rows, k_pages, v_pages, rows, limits, pages_per_chunk, soft_cap):
   """Online softmax over chunks of `pages_per_chunk` table entries (one pass if it fits).
 
-  `q_grouped: f32[num_kv_heads, num_seqs, group, head_dim]`, `rows` from `decode_rows`;
-  returns the normalized `f32[num_kv_heads, num_seqs, group, head_dim]`.
+  `q_rows: f32[num_kv_heads, n, m, head_dim]`: `m` query rows of each of `n` tables
+  (a decode's query heads of one KV head, or a query block's tokens x heads); `rows`
+  from `decode_rows`; `limits: i32[n, m or 1]`, the keys each query row sees
+  (`key position < limit`). Returns the normalized `f32[num_kv_heads, n, m, head_dim]`.
   """
-  num_kv_heads, num_seqs, group, head_dim = q_grouped.shape
+  num_kv_heads, num_tables, m, head_dim = q_rows.shape
   max_pages, page_size = rows.shape[-1], k_pages.shape[-2]
   pages_per_chunk = min(pages_per_chunk, max_pages)
   num_chunks_total = -(-max_pages // pages_per_chunk)
   rows = jnp.pad(rows, ((0, 0), (0, 0), (0, num_chunks_total * pages_per_chunk - max_pages)))
   chunk_len = pages_per_chunk * page_size
-  kv_shape = (num_kv_heads, num_seqs, chunk_len, head_dim)
+  kv_shape = (num_kv_heads, num_tables, chunk_len, head_dim)
 
   def fold_chunk(chunk, carry):
     running_max, denominator, accumulator = carry
     chunk_rows = jax.lax.dynamic_slice_in_dim(rows, chunk * pages_per_chunk, pages_per_chunk, 2)
     k = gather_rows(k_pages, chunk_rows).reshape(kv_shape).astype(jnp.float32)
     v = gather_rows(v_pages, chunk_rows).reshape(kv_shape).astype(jnp.float32)
-    # Multiply-and-reduce rather than einsum: XLA:CPU lowers these batched matrix-vector
-    # products (group rows against one sequence's keys) to a library call per
-    # (head, sequence) pair, whose fixed cost dominates at decode sizes.
-    scores = (q_grouped[:, :, :, None, :] * k[:, :, None]).sum(axis=-1)
+    if m < 8:
+      # Multiply-and-reduce rather than einsum: XLA:CPU lowers these batched
+      # matrix-vector products (a few rows against one table's keys) to a library call
+      # per (head, table) pair, whose fixed cost dominates at decode sizes.
+      scores = (q_rows[:, :, :, None, :] * k[:, :, None]).sum(axis=-1)
+    else:  # query blocks: real matrix products, worth the call
+      scores = jnp.einsum("ntmd,ntcd->ntmc", q_rows, k)
     if soft_cap is not None:
       scores = soft_cap * jnp.tanh(scores / soft_cap)
-    visible = chunk * chunk_len + jnp.arange(chunk_len) < lens[:, None]  # [num_seqs, chunk]
-    scores = jnp.where(visible[None, :, None, :], scores, -jnp.inf)
+    key_positions = chunk * chunk_len + jnp.arange(chunk_len)
+    visible = key_positions < limits[..., None]  # [n, m or 1, chunk]
+    scores = jnp.where(visible[None], scores, -jnp.inf)
     new_max = jnp.maximum(running_max, scores.max(axis=-1))
     safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
     probs = jnp.exp(scores - safe_max[..., None])
     rescale = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
+    if m < 8:
+      update = (probs[..., None] * v[:, :, None]).sum(axis=3)
+    else:
+      update = jnp.einsum("ntmc,ntcd->ntmd", probs, v)
     return (new_max, denominator * rescale + probs.sum(axis=-1),
-            accumulator * rescale[..., None] + (probs[..., None] * v[:, :, None]).sum(axis=3))
+            accumulator * rescale[..., None] + update)
 
-  stats_shape = (num_kv_heads, num_seqs, group)
+  stats_shape = (num_kv_heads, num_tables, m)
   carry = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
            jnp.zeros((*stats_shape, head_dim), jnp.float32))
   if num_chunks_total == 1:
     carry = fold_chunk(0, carry)
   else:
-    num_chunks = jnp.minimum(-(-jnp.max(lens, initial=0) // chunk_len), num_chunks_total)
+    num_chunks = jnp.minimum(-(-jnp.max(limits, initial=0) // chunk_len), num_chunks_total)
     carry = jax.lax.fori_loop(0, num_chunks, fold_chunk, carry)
   _, denominator, accumulator = carry
   return accumulator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
+
+
+MAX_QUERY_BLOCK = 16
+
+
+def query_block_size(num_tokens: int, num_seqs: int) -> int:
+  """Tokens per query block for a mixed batch of this (padded, static) shape.
+
+  A block holds tokens of one sequence, so a batch needs at most
+  `ceil(num_tokens / block) + num_seqs` blocks; sizing the block to the average tokens
+  per sequence (a power of two, at most `MAX_QUERY_BLOCK`) keeps that padding bounded
+  whether the step is mostly decodes (block 1) or mostly prompt chunks.
+  """
+  average = max(1, min(MAX_QUERY_BLOCK, num_tokens // max(num_seqs, 1)))
+  return 1 << (average.bit_length() - 1)
+
+
+def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
+                             block_tables: jax.Array, context_lens: jax.Array,
+                             query_start_loc: jax.Array, layer: int | None = None,
+                             sm_scale: float | None = None, soft_cap: float | None = None,
+                             block_size: int | None = None,
+                             tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK) -> jax.Array:
+  """`ragged_paged_attention` by query blocks: the fast XLA path for mixed steps.
+
+  The reference gathers a copy of the keys for every query token, so a prompt chunk of
+  n tokens reads its context n times. Here each sequence's new tokens are cut into
+  blocks of `block_size` (default `query_block_size`); a block gathers its sequence's
+  pages once, as whole rows, and scores all its tokens against them with a causal
+  mask (key position <= query position). Blocks past the real ones, and rows past a
+  sequence's last token, are padding.
+
+  Arguments and result as in `ragged_paged_attention`; with `layer`, `k_pages` and
+  `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place.
+  """
+  pool_k = k_pages if layer is None else k_pages[0]  # shapes only; never materialized
+  validate(q, pool_k, pool_k, block_tables, context_lens, query_start_loc)
+  num_tokens, num_heads, head_dim = q.shape
+  num_kv_heads, num_pages, page_size, _ = pool_k.shape
+  group = num_heads // num_kv_heads
+  num_seqs = block_tables.shape[0]
+  block = block_size or query_block_size(num_tokens, num_seqs)
+  num_blocks = -(-num_tokens // block) + num_seqs  # static bound on the blocks needed
+  sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+
+  # Which sequence each block belongs to, and which token rows it covers.
+  query_lens = query_start_loc[1:] - query_start_loc[:-1]
+  blocks_per_seq = -(-query_lens // block)
+  block_ends = jnp.cumsum(blocks_per_seq)
+  block_index = jnp.arange(num_blocks, dtype=jnp.int32)
+  block_seq = jnp.searchsorted(block_ends, block_index, side="right").astype(jnp.int32)
+  is_real = block_seq < num_seqs
+  seq = jnp.minimum(block_seq, num_seqs - 1)
+  first = query_start_loc[seq] + (block_index - (block_ends - blocks_per_seq)[seq]) * block
+  token_rows = first[:, None] + jnp.arange(block, dtype=jnp.int32)  # [num_blocks, block]
+  row_is_real = is_real[:, None] & (token_rows < query_start_loc[seq + 1][:, None])
+  # A sequence's new tokens are its last positions: token row r sits at position
+  # context_len - query_len + (r - query_start); it sees keys up to and including it.
+  limits = (context_lens[seq] - query_lens[seq] - query_start_loc[seq])[:, None] + token_rows + 1
+  limits = jnp.where(row_is_real, limits, 0)
+  limits = jnp.repeat(limits, group, axis=1)  # [num_blocks, block * group], token-major
+
+  q_blocks = q[jnp.clip(token_rows, 0, num_tokens - 1)].astype(jnp.float32) * sm_scale
+  q_rows = q_blocks.reshape(num_blocks, block, num_kv_heads, group, head_dim).transpose(
+      2, 0, 1, 3, 4).reshape(num_kv_heads, num_blocks, block * group, head_dim)
+  rows = decode_rows(block_tables[seq], num_kv_heads, num_pages, layer or 0)
+  out = _fold(q_rows, k_pages, v_pages, rows, limits,
+              max(1, tokens_per_chunk // page_size), soft_cap)
+  out = out.reshape(num_kv_heads, num_blocks * block, group, head_dim).transpose(1, 0, 2, 3)
+  out = out.reshape(num_blocks * block, num_heads, head_dim)
+
+  # Back to token order: each real token's block and offset in it; padding reads zeros.
+  seq_ids, _ = token_layout(query_start_loc, context_lens, num_tokens)
+  safe = jnp.maximum(seq_ids, 0)
+  offset = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[safe]
+  slot = ((block_ends - blocks_per_seq)[safe] + offset // block) * block + offset % block
+  out = jnp.where((seq_ids >= 0)[:, None, None], out[slot], 0.0)
+  return out.astype(q.dtype)

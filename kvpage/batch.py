@@ -6,6 +6,11 @@ one into the other, flattening the ragged batch to `[num_tokens]` and padding ev
 dimension up a fixed ladder of buckets, so that steady-state serving reuses a handful
 of compiled programs instead of recompiling for every new batch size.
 
+Under async scheduling a decode's input token may still be in flight (the previous
+step sampled it on the device; `kvpage.request.PLACEHOLDER` on the host): `build`
+encodes it as `-(row + 1)`, the row where the previous step sampled it, and the
+jitted step reads it from that step's output without a round trip through the host.
+
 Padding is inert by construction: padding tokens write their keys and values into
 the null page (page 0), padding sequences have no tokens, context length 0 and a
 block table of null pages, and padding rows of `logits_indices` point at token 0,
@@ -17,10 +22,12 @@ Host side: numpy only. `StepBatch` is a NamedTuple, which jax treats as a pytree
 import dataclasses
 import itertools
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from kvpage.request import PLACEHOLDER
 
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -29,7 +36,7 @@ SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 class StepBatch(NamedTuple):
   """The arrays one step needs, padded to buckets. Shapes: T tokens, S seqs, M pages."""
 
-  token_ids: np.ndarray  # i32[T]
+  token_ids: np.ndarray  # i32[T]; -(r + 1): the token the previous step sampled in row r
   positions: np.ndarray  # i32[T], position of each token in its sequence
   slot_mapping: np.ndarray  # i32[T], page * page_size + offset; padding -> null page
   query_start_loc: np.ndarray  # i32[S + 1], cumulative new-token counts
@@ -157,9 +164,12 @@ def request_seed(request: Any) -> int:
   return (zlib.crc32(request.request_id.encode()) if seed is None else seed) & 0xFFFFFFFF
 
 
-def build(scheduled: Sequence[Any], *, page_size: int,
-          buckets: Buckets | None = None) -> tuple[StepBatch, BatchInfo]:
+def build(scheduled: Sequence[Any], *, page_size: int, buckets: Buckets | None = None,
+          feed_rows: Mapping[str, int] | None = None) -> tuple[StepBatch, BatchInfo]:
   """Flattens scheduled sequences (`kvpage.scheduler_output.ScheduledSequence`) into a batch.
+
+  `feed_rows` maps each request that sampled in the previous step to its row there;
+  a placeholder token (one still in flight) must belong to such a request.
 
   Runs on the host every step, so it is written as a few whole-batch numpy operations
   over flat lists rather than per-row numpy calls (whose fixed cost, times 32+ rows,
@@ -183,7 +193,7 @@ def build(scheduled: Sequence[Any], *, page_size: int,
   batch = example_batch(padded_tokens, padded_seqs, buckets.table_width(max(table_lens)),
                         decode_only=decode_only)
   _fill_tables(batch, scheduled, table_lens)
-  _fill_tokens(batch, scheduled, query_lens, starts, page_size)
+  _fill_tokens(batch, scheduled, query_lens, starts, page_size, feed_rows or {})
   _fill_sampling(batch, scheduled)
   info = BatchInfo(
       request_ids=[seq.request_id for seq in scheduled],
@@ -202,13 +212,20 @@ def _fill_tables(batch: StepBatch, scheduled: Sequence[Any], table_lens: list[in
 
 
 def _fill_tokens(batch: StepBatch, scheduled: Sequence[Any], query_lens: list[int],
-                 starts: list[int], page_size: int) -> None:
+                 starts: list[int], page_size: int, feed_rows: Mapping[str, int]) -> None:
   """Token ids, positions, slots (through the tables filled above) and query offsets."""
   num_tokens, num_seqs = sum(query_lens), len(query_lens)
-  batch.token_ids[:num_tokens] = np.fromiter(
+  token_ids = batch.token_ids[:num_tokens]
+  token_ids[:] = np.fromiter(
       itertools.chain.from_iterable(seq.token_ids for seq in scheduled), np.int32, num_tokens)
   ends = np.cumsum(query_lens, dtype=np.int32)
   token_rows = np.repeat(np.arange(num_seqs), query_lens)
+  for index in np.flatnonzero(token_ids == PLACEHOLDER).tolist():
+    request_id = scheduled[token_rows[index]].request_id
+    if request_id not in feed_rows:
+      raise ValueError(f"request {request_id}: a token in flight that the previous step did "
+                       "not sample")
+    token_ids[index] = -1 - feed_rows[request_id]
   positions = (np.arange(num_tokens, dtype=np.int32) - (ends - query_lens)[token_rows]
                + np.asarray(starts, np.int32)[token_rows])
   batch.positions[:num_tokens] = positions
@@ -228,7 +245,7 @@ def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
   batch.top_k[:num_seqs] = [p.top_k for p in params]
   batch.top_p[:num_seqs] = [p.top_p for p in params]
   batch.seeds[:num_seqs] = [request_seed(seq.request) for seq in scheduled]
-  batch.sample_index[:num_seqs] = [len(seq.request.output_ids) for seq in scheduled]
+  batch.sample_index[:num_seqs] = [seq.sample_index for seq in scheduled]
 
 
 def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int, *,

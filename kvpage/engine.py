@@ -6,12 +6,19 @@ ids. An offline API in the spirit of vLLM's `LLM`: `add_request` returns the adm
 answer, `step` runs one iteration and returns each request's new tokens and whether
 it finished, `abort` ends a request, `generate` runs a batch of prompts to the end.
 Host side: this module, like the scheduler, never imports jax; the executor does.
+
+With `async_scheduling` (vLLM's option of that name; executors that can `submit` a
+step without waiting for it) the loop is pipelined: step N+1 is scheduled, built and
+launched while step N still runs on the device, and step N's samples are applied
+after. The host's work hides behind the device's; what a request sees changes only
+in timing: `step()` returns the tokens of the step before, and a request that stops
+on a stop token has one extra token computed for it, then dropped.
 """
 
 import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvpage.request import Request, RequestStatus, SamplingParams
 from kvpage.scheduler import Admission, Scheduler
@@ -21,7 +28,11 @@ MAX_IDLE_STEPS = 1000  # empty steps in a row before `generate` declares a stall
 
 
 class Executor(Protocol):
-  """What the engine needs from an executor (`JaxExecutor`, `SimExecutor`, a test fake)."""
+  """What the engine needs from an executor (`JaxExecutor`, `SimExecutor`, a test fake).
+
+  For async scheduling an executor also offers `submit(output) -> ticket` (launch the
+  step, page copies first, without waiting) and `collect(ticket) -> samples`.
+  """
 
   def execute(self, output: SchedulerOutput) -> dict[str, int]:
     """Runs the step (page copies first); returns a token per sequence that samples."""
@@ -43,9 +54,14 @@ class Engine:
   """A scheduler and an executor, stepped together."""
 
   def __init__(self, scheduler: Scheduler, executor: Executor,
-               on_step: Callable[..., None] | None = None):
+               on_step: Callable[..., None] | None = None, *, async_scheduling: bool = False):
+    if async_scheduling and not hasattr(executor, "submit"):
+      raise ValueError(f"async scheduling needs an executor with submit() and collect(); "
+                       f"{type(executor).__name__} has none")
     self.scheduler = scheduler
     self.executor = executor
+    self.async_scheduling = async_scheduling
+    self._in_flight: tuple[SchedulerOutput, Any] | None = None  # launched, not collected
     self.on_step = on_step  # e.g. a metrics recorder: on_step(output, sampled, finished)
     self._ids = itertools.count()
     self.idle_steps = 0  # consecutive steps that scheduled nothing
@@ -67,17 +83,38 @@ class Engine:
     return self.scheduler.abort(request_id)
 
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_unfinished()
+    return self.scheduler.has_unfinished() or self._in_flight is not None
 
   def step(self) -> list[RequestOutput]:
-    """One iteration; returns an output for every request that produced or finished."""
+    """One iteration; returns an output for every request that produced or finished.
+
+    Under async scheduling the outputs are those of the step launched one call earlier.
+    """
     output = self.scheduler.schedule()
-    self.idle_steps = self.idle_steps + 1 if output.is_empty else 0
-    sampled = self.executor.execute(output)
+    self.idle_steps = self.idle_steps + 1 if output.is_empty and not self._in_flight else 0
+    if not self.async_scheduling:
+      return self._complete(output, self.executor.execute(output))
+    ticket = self.executor.submit(output)  # Queued on the device behind the step in flight.
+    previous, self._in_flight = self._in_flight, None if output.is_empty else (output, ticket)
+    outputs = [] if previous is None else self._complete(
+        previous[0], self.executor.collect(previous[1]))
+    if output.is_empty:
+      outputs += self._complete(output, {})
+    return outputs
+
+  def _complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+    """Applies a step's samples to the scheduler; the outputs of `step()`."""
+    # Requests that finished after this step was scheduled (aborted, or stopped by the
+    # step before) were reported then; their samples are void.
+    void = {seq.request_id for seq in output.scheduled
+            if seq.request.status is RequestStatus.FINISHED}
+    sampled = {request_id: token for request_id, token in sampled.items()
+               if request_id not in void}
     finished = self.scheduler.update(output, sampled)
     if self.on_step is not None:
       self.on_step(output, sampled, finished)
-    touched = {seq.request_id: seq.request for seq in output.scheduled}
+    touched = {seq.request_id: seq.request for seq in output.scheduled
+               if seq.request_id not in void}
     # `output.finished` repeats requests that the previous `update` finished (and
     # reported); only those that ended otherwise (abort, preemption) are new here.
     for request in output.finished:

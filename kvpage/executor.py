@@ -8,8 +8,16 @@ behind it, so a simulated GPU (`kvpage.sim_executor`) can stand in for a real mo
 the jitted step. Swap copies run before the step, swap-outs first (a step may reuse
 pages a swap-out just vacated); the page lists are padded to power-of-two buckets
 with the null page so copies, like steps, do not recompile.
+
+It also splits `execute` in two for async scheduling: `submit` launches the step and
+returns at once (a `Ticket`), `collect` waits for its sampled ids. The engine
+schedules and launches step N+1 before collecting step N, so the host's work hides
+behind the device's; step N+1 reads the tokens step N sampled straight from its
+device output (`kvpage.step`). Device work runs in launch order, so a page freed on
+the host while a step in flight still writes it is only reused by a later step.
 """
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -19,6 +27,14 @@ from kvpage import batch as batch_lib
 from kvpage import paged_cache
 from kvpage.scheduler_output import SchedulerOutput
 from kvpage.step import ForwardFn, Step
+
+
+@dataclasses.dataclass(frozen=True)
+class Ticket:
+  """A launched step: its sampled ids, still on the device, and which rows sample."""
+
+  tokens: jax.Array | None  # None: the step scheduled nothing
+  info: batch_lib.BatchInfo | None
 
 
 def _gather_pages(cache: paged_cache.PagedKVCache, pages: jax.Array):
@@ -47,6 +63,8 @@ class JaxExecutor:
     self._gather = jax.jit(_gather_pages)
     self._scatter = jax.jit(_scatter_pages, donate_argnums=0)
     self.num_steps = 0
+    self._feed: jax.Array | None = None  # the last launched step's sampled ids (device)
+    self._feed_rows: dict[str, int] = {}  # request -> its row in `_feed`
 
   @property
   def page_size(self) -> int:
@@ -57,16 +75,33 @@ class JaxExecutor:
     return self.step.num_compiles
 
   def execute(self, output: SchedulerOutput) -> dict[str, int]:
+    return self.collect(self.submit(output))
+
+  def submit(self, output: SchedulerOutput) -> Ticket:
+    """Runs the page copies and launches the step, without waiting for its result."""
     self.swap_out(output.swap_out)
     self.swap_in(output.swap_in)
     if not output.scheduled:
-      return {}
+      return Ticket(None, None)
     batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
-                                  buckets=self.buckets)
-    tokens, self.cache = self.step(self.params, self.cache, batch, info.all_greedy)
+                                  buckets=self.buckets, feed_rows=self._feed_rows)
+    tokens, self.cache = self.step.dispatch(self.params, self.cache, batch, info.all_greedy,
+                                            self._feed)
+    tokens.copy_to_host_async()
+    self._feed = tokens
+    self._feed_rows = {request_id: row for row, (request_id, samples)
+                       in enumerate(zip(info.request_ids, info.samples)) if samples}
     self.num_steps += 1
+    return Ticket(tokens, info)
+
+  def collect(self, ticket: Ticket) -> dict[str, int]:
+    """Waits for a launched step: a sampled token per sequence that samples."""
+    if ticket.tokens is None:
+      return {}
+    info = ticket.info
+    tokens = np.asarray(ticket.tokens)[:info.num_seqs].tolist()
     return {request_id: token for request_id, token, samples
-            in zip(info.request_ids, tokens.tolist(), info.samples) if samples}
+            in zip(info.request_ids, tokens, info.samples) if samples}
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,)) -> int:
@@ -80,8 +115,11 @@ class JaxExecutor:
     width = self.buckets.table_width(1)
     for num_tokens, num_seqs, decode_only in shapes:
       batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
-      for greedy in all_greedy:
-        _, self.cache = self.step(self.params, self.cache, batch, greedy)
+      for greedy in all_greedy:  # fed like serving steps, so their programs match
+        self._feed, self.cache = self.step.dispatch(self.params, self.cache, batch, greedy,
+                                                    self._feed)
+    if self._feed is not None:
+      self._feed.block_until_ready()
     return len(shapes) * len(all_greedy)
 
   def swap_out(self, copies: list[tuple[int, int]]) -> None:

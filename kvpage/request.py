@@ -10,7 +10,11 @@ Token accounting follows one rule so that prefill, chunked prefill, decode and
 recompute after preemption are the same operation: the tokens to compute at a step
 are `all_token_ids[num_computed_tokens : num_computed_tokens + n]`. A decode is the
 case n = 1: the last sampled token is not in the cache yet. A step samples a new
-token iff it brings `num_computed_tokens` up to `num_tokens`.
+token iff it brings `num_computed_tokens` up to `num_tokens`. The scheduler advances
+`num_computed_tokens` when it schedules a step, and counts the token the step will
+sample in `num_pending` until the host learns its value; under async scheduling the
+next step is scheduled before that, and feeds the pending token as a `PLACEHOLDER`
+that the device fills in from the previous step's samples.
 
 Every decision lands in `events` with a timestamp (queued, admitted or rejected,
 scheduled, preempted, swapped out/in, first token, finished, aborted), so metrics
@@ -22,6 +26,9 @@ Pure Python: never imports jax.
 import dataclasses
 import enum
 from typing import Any
+
+# Stands for a token sampled by a step still in flight: its value is on the device only.
+PLACEHOLDER = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +87,7 @@ class Request:
   page_ids: list[int] = dataclasses.field(default_factory=list)
   host_page_ids: list[int] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0
+  num_pending: int = 0  # tokens sampled by scheduled steps, not yet in output_ids
   finish_reason: str | None = None  # "length", "stop", "preempted" or "aborted"
   events: list[Event] = dataclasses.field(default_factory=list)
   num_preemptions: int = 0
@@ -99,7 +107,13 @@ class Request:
 
   @property
   def num_tokens(self) -> int:
-    return len(self.prompt_ids) + len(self.output_ids)
+    """Prompt, generated and pending tokens: the sequence's length once steps land."""
+    return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+  @property
+  def num_sampled(self) -> int:
+    """Tokens generated so far, those still in flight included."""
+    return len(self.output_ids) + self.num_pending
 
   @property
   def num_prompt_tokens(self) -> int:
@@ -114,8 +128,14 @@ class Request:
     return self.status in (RequestStatus.FINISHED, RequestStatus.REJECTED)
 
   def token_ids(self, start: int, stop: int) -> list[int]:
-    """`all_token_ids[start:stop]` without building the whole list (the hot path)."""
+    """`all_token_ids[start:stop]` without building the whole list (the hot path).
+
+    Positions of pending tokens (sampled, value not yet known) read `PLACEHOLDER`.
+    """
     num_prompt = len(self.prompt_ids)
+    known = num_prompt + len(self.output_ids)
+    if stop > known:
+      return self.token_ids(start, known) + [PLACEHOLDER] * (stop - max(start, known))
     if start >= num_prompt:
       return self.output_ids[start - num_prompt:stop - num_prompt]
     if stop <= num_prompt:

@@ -143,26 +143,34 @@ class Scheduler:
     out.scheduled = list(self._scheduled.values())
     out.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
     self._finished = []
+    for seq in out.scheduled:  # Committed: the next schedule() may come before update().
+      seq.request.num_computed_tokens = seq.start_position + len(seq.token_ids)
+      seq.request.num_pending += seq.samples
     return out
 
   def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
-    """Records a finished step: advances the cache, appends samples, ends requests."""
+    """Records a step's samples: appends each token, ends requests that are done.
+
+    `schedule()` already advanced every scheduled request past the step, so under async
+    scheduling the next step may be scheduled (with pending tokens as placeholders)
+    before this runs. A sample for a request that finished meanwhile (aborted, or it
+    hit a stop token in the previous step) is void; one for a request preempted
+    meanwhile still counts: the step that sampled it ran with the request's pages.
+    """
     finished = []
     now = None
     for seq in output.scheduled:
       request = seq.request
-      if request.status is not _RUNNING:
-        continue  # Aborted between schedule() and update(): its tokens are void.
-      if request.num_computed_tokens != seq.start_position:
-        raise ValueError(f"update() for step {output.step} does not follow the schedule of "
-                         f"{request.request_id!r}: was it applied twice?")
-      request.num_computed_tokens += len(seq.token_ids)
-      if not seq.samples:
+      if not seq.samples or request.status is RequestStatus.FINISHED:
         continue
       try:
         token = int(sampled[seq.request_id])
       except KeyError:
         raise ValueError(f"no sampled token for {seq.request_id!r}") from None
+      if request.num_pending <= 0:
+        raise ValueError(f"update() for step {output.step} finds no pending token of "
+                         f"{request.request_id!r}: was it applied twice?")
+      request.num_pending -= 1
       request.output_ids.append(token)
       if now is None:
         now = self.clock()
@@ -214,6 +222,8 @@ class Scheduler:
       remaining = request.num_tokens - request.num_computed_tokens
       if (remaining == 1) is not decodes:
         continue
+      if request.num_sampled >= request.sampling.max_tokens:
+        continue  # Its last token is in flight (async scheduling): nothing more to compute.
       num_new = 1 if decodes else min(remaining, self._budget, self._chunk_size)
       if self._reserve_pages(request, request.num_computed_tokens + num_new, out):
         self._add(request, num_new)
@@ -305,6 +315,7 @@ class Scheduler:
     self.admission.remove_backlog(request)
     num_freed = self.block_manager.free(request.request_id)
     request.page_ids, request.host_page_ids = [], []
+    request.num_pending = 0  # a token still in flight for it is void
     request.status, request.finish_reason = RequestStatus.FINISHED, reason
     request.log(now, "finished", reason=reason, num_output_tokens=request.num_output_tokens)
     self.admission.record_free(num_freed, now)

@@ -22,12 +22,13 @@ class ScheduledSequence:
   """One request's share of a step: compute `token_ids` at `start_position...`."""
 
   request_id: str
-  token_ids: list[int]  # all_token_ids[start_position : start_position + n]
+  token_ids: list[int]  # all_token_ids[start_position : start_position + n]; see PLACEHOLDER
   start_position: int  # = the request's num_computed_tokens before the step
   page_ids: list[int]  # the request's whole page list, covering start_position + n - 1
   samples: bool  # True iff the step ends at the sequence's last token: sample one more
   is_prefill: bool  # False only for one generated token (a decode)
   request: Request = dataclasses.field(repr=False)
+  sample_index: int = 0  # tokens the request sampled before this step (its sampling key)
 
   @property
   def num_tokens(self) -> int:
@@ -79,4 +80,5 @@ def make_sequence(request: Request, num_new: int) -> ScheduledSequence:
   stop = start + num_new
   return ScheduledSequence(
       request.request_id, request.token_ids(start, stop), start, list(request.page_ids),
-      stop == request.num_tokens, num_new > 1 or start < len(request.prompt_ids), request)
+      stop == request.num_tokens, num_new > 1 or start < len(request.prompt_ids), request,
+      request.num_sampled)

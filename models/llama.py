@@ -8,8 +8,10 @@ checkpoint by name.
 The forward pass serves one ragged mixed batch (`kvpage.batch.StepBatch`): prefill
 chunks and decode tokens flattened to `[num_tokens]`. Each layer writes its new keys
 and values into the cache through the slot mapping, then attends through the block
-tables with the attention chosen by `config.attention_impl`. Only the rows that
-sample (`logits_indices`) go through the LM head.
+tables with the attention chosen by `config.attention_impl`: `xla` (the fast XLA
+paths of `kvpage.attention`: decode-only steps by sequence, mixed steps by query
+block), `reference` (the oracle, every step) or `pallas` (the kernels). Only the rows
+that sample (`logits_indices`) go through the LM head.
 """
 
 from typing import Any
@@ -23,8 +25,11 @@ from kvpage import attention, paged_cache
 from kvpage import batch as batch_lib
 from models import rope
 
+ATTENTION_IMPLS = ("xla", "reference", "pallas")
+
 
 def _attention_fn(impl: str):
+  """`(q, k_pages, v_pages, **batch) -> out` over one layer's pages, for `reference`/`pallas`."""
   if impl == "reference":
     return attention.ragged_paged_attention
   if impl == "pallas":
@@ -33,7 +38,7 @@ def _attention_fn(impl: str):
     interpret = jax.default_backend() == "cpu"
     return lambda *args, **kwargs: kernels.ragged_paged_attention(
         *args, interpret=interpret, **kwargs)
-  raise ValueError(f"unknown attention_impl {impl!r}; choose one of: reference, pallas")
+  raise ValueError(f"unknown attention_impl {impl!r}; choose one of: {', '.join(ATTENTION_IMPLS)}")
 
 
 class RMSNorm(nn.Module):
@@ -74,12 +79,17 @@ class Attention(nn.Module):
     q = rope.apply(q, batch.positions, inv_freq)
     k = rope.apply(k, batch.positions, inv_freq)
     cache = paged_cache.write(cache, self.layer, k, v, batch.slot_mapping)
-    if getattr(batch, "decode_only", False) and c.attention_impl == "reference":
+    if c.attention_impl == "xla" and getattr(batch, "decode_only", False):
       # Decode-only step (a static fact of the batch's type): the specialized path reads
       # this layer's pages straight out of the whole cache.
       out = attention.paged_decode_attention(
           q.astype(cache.dtype), cache.k_pages, cache.v_pages, layer=self.layer,
           block_tables=batch.block_tables, context_lens=batch.context_lens)
+    elif c.attention_impl == "xla":  # mixed step: query blocks over the whole cache
+      out = attention.ragged_blocked_attention(
+          q.astype(cache.dtype), cache.k_pages, cache.v_pages, layer=self.layer,
+          block_tables=batch.block_tables, context_lens=batch.context_lens,
+          query_start_loc=batch.query_start_loc)
     else:
       out = _attention_fn(c.attention_impl)(
           q.astype(cache.dtype), cache.k_pages[self.layer], cache.v_pages[self.layer],

@@ -1,5 +1,6 @@
 """The reference ragged paged attention equals dense causal attention on unpaged sequences."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -115,3 +116,52 @@ def test_bad_shapes_raise_value_errors():
   with pytest.raises(ValueError, match="query_start_loc"):
     attention.ragged_paged_attention(q, k, v, **{**kwargs, "query_start_loc": np.array(
         [0], np.int32)})
+
+
+# The query-block path (`ragged_blocked_attention`), the model's fast XLA path for
+# mixed steps, against the same dense oracle.
+def check_blocked(case, tolerance=1e-5, **kwargs):
+  out = np.asarray(attention.ragged_blocked_attention(
+      jnp.asarray(case.q), jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
+      **case.kwargs(), **kwargs))
+  expected = dense_attention(case, kwargs.get("sm_scale"), kwargs.get("soft_cap"))
+  assert relative_error(out[:case.num_real_tokens], expected) < tolerance
+  assert not np.any(out[case.num_real_tokens:])
+  return out
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seqs=ragged_batches(), group=st.sampled_from([1, 2, 4]),
+       page_size=st.sampled_from([1, 4, 16]), num_pad_tokens=st.integers(0, 3),
+       num_pad_seqs=st.integers(0, 2), block_size=st.sampled_from([None, 1, 2, 4, 16]),
+       tokens_per_chunk=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+def test_query_blocks_match_dense(seqs, group, page_size, num_pad_tokens, num_pad_seqs,
+                                  block_size, tokens_per_chunk, seed):
+  case = make_case(seqs, num_heads=2 * group, num_kv_heads=2, head_dim=HEAD_DIM,
+                   page_size=page_size, seed=seed, num_pad_tokens=num_pad_tokens,
+                   num_pad_seqs=num_pad_seqs)
+  check_blocked(case, block_size=block_size, tokens_per_chunk=tokens_per_chunk)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_query_blocks_on_named_batches_scale_soft_cap_and_whole_cache(block_size):
+  case = make_case([(513, 1), (17, 17), (40, 7), (3, 1), (100, 37), (29, 11)], num_heads=4,
+                   num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, seed=block_size,
+                   num_pad_tokens=5, num_pad_seqs=1)
+  out = check_blocked(case, block_size=block_size, sm_scale=0.5, soft_cap=3.0)
+  # The same pages as layer 1 of a two-layer cache, read in place under jit.
+  k, v = (jnp.stack([jnp.zeros_like(jnp.asarray(x)), jnp.asarray(x)])
+          for x in (case.k_pages, case.v_pages))
+  fn = jax.jit(lambda q, k, v, tables, lens, starts: attention.ragged_blocked_attention(
+      q, k, v, layer=1, block_tables=tables, context_lens=lens, query_start_loc=starts,
+      sm_scale=0.5, soft_cap=3.0, block_size=block_size))
+  np.testing.assert_allclose(
+      fn(case.q, k, v, case.block_tables, case.context_lens, case.query_start_loc), out,
+      rtol=1e-5, atol=1e-6)
+
+
+def test_query_block_size_follows_the_average_tokens_per_sequence():
+  assert attention.query_block_size(64, 64) == 1  # decodes: one token per block
+  assert attention.query_block_size(1024, 64) == 16
+  assert attention.query_block_size(96, 16) == 4  # 6 tokens a sequence: largest power of 2
+  assert attention.query_block_size(8192, 1) == attention.MAX_QUERY_BLOCK

@@ -343,8 +343,10 @@ def test_update_rejects_a_missing_sample_and_a_replayed_step():
   out = scheduler.schedule()
   with pytest.raises(ValueError, match="no sampled token for 'a'"):
     scheduler.update(out, {})
+  assert scheduler.update(out, {"a": 1}) == []  # the failed update changed nothing
   with pytest.raises(ValueError, match="applied twice"):
     scheduler.update(out, {"a": 1})
+  assert scheduler.requests["a"].output_ids == [1]
 
 
 # Configuration.

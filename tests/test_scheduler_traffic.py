@@ -86,10 +86,12 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
   assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
   for seq in out.scheduled:
     request = seq.request
-    assert seq.start_position == request.num_computed_tokens
-    assert len(seq.page_ids) * scheduler.block_manager.page_size >= (
-        seq.start_position + len(seq.token_ids))
-    assert seq.samples == (seq.start_position + len(seq.token_ids) == request.num_tokens)
+    end = seq.start_position + len(seq.token_ids)
+    assert request.num_computed_tokens == end  # committed when scheduled
+    assert len(seq.page_ids) * scheduler.block_manager.page_size >= end
+    # A sampling step's token is pending until update(): counted in num_tokens.
+    assert (end == request.num_tokens - 1) if seq.samples else (end < request.num_tokens)
+    assert request.num_pending == seq.samples  # synchronous: nothing else in flight
     if config.prefill_policy == "none" and seq.is_prefill:
       assert seq.start_position == 0 and seq.samples  # whole prompts only
     if config.prefill_policy == "chunked" and config.chunk_size:

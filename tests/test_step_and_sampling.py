@@ -29,15 +29,23 @@ def tiny_engine(params, **kwargs):
                             num_pages=128, page_size=16, **kwargs)
 
 
+_BACKEND_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kw: _BACKEND_COMPILES.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
 def test_steady_state_decoding_never_recompiles(params):
   engine = tiny_engine(params)
   prompts = [[1 + i, 2, 3, 4 + i] for i in range(5)]
   engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
-  compiles = engine.executor.num_compiles
+  compiles, backend_compiles = engine.executor.num_compiles, len(_BACKEND_COMPILES)
   # A second batch whose sizes fall in the same buckets (<= 8 tokens/seqs for decode,
-  # prompts within one page): no new trace.
+  # prompts within one page): no new trace, and no XLA compilation either (jit also
+  # keys on what the counter cannot see, e.g. whether an input is committed).
   engine.generate([[9, 8, 7, 6]] * 5, SamplingParams(max_tokens=12, ignore_eos=True))
   assert engine.executor.num_compiles == compiles
+  assert len(_BACKEND_COMPILES) == backend_compiles
   # A different bucket does compile (the counter can move).
   engine.generate([list(range(1, 40))], SamplingParams(max_tokens=2, ignore_eos=True))
   assert engine.executor.num_compiles > compiles
