@@ -41,7 +41,8 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per sequence.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per sequence.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed runs per cell (best is kept).")
+_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed rounds; each contender runs once a "
+                                "round, best is kept.")
 _OUT = flags.DEFINE_string("out", "decode_cpu.json", "Where to write the JSON record.")
 
 
@@ -84,66 +85,75 @@ class RecordingStep:
     return self.step.dispatch(params, cache, batch, all_greedy, feed)
 
 
-def replay_steps(executor, records, repeats: int) -> float:
-  """Seconds the executor's step alone takes for `records`, back to back (best of repeats).
+def replay_steps(executor, records) -> float:
+  """Seconds the executor's step alone takes for `records`, back to back.
 
   Each step is launched and waited for (sampled ids to numpy), feeding the next from
   its output as the engine does: the engine's wall time minus this is what its host
   work (scheduling, batch building, bookkeeping) adds.
   """
   step = executor.step.step
-  best = float("inf")
-  for _ in range(repeats):
-    feed = None
-    start = time.perf_counter()
-    for batch, all_greedy in records:
-      feed, executor.cache = step.dispatch(executor.params, executor.cache, batch, all_greedy,
-                                           feed)
-      np.asarray(feed)
-    best = min(best, time.perf_counter() - start)
-  return best
+  feed = None
+  start = time.perf_counter()
+  for batch, all_greedy in records:
+    feed, executor.cache = step.dispatch(executor.params, executor.cache, batch, all_greedy,
+                                         feed)
+    np.asarray(feed)
+  return time.perf_counter() - start
 
 
-def time_kvpage(engine, prompts, new_tokens, repeats):
-  sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-  recording = engine.executor.step = RecordingStep(engine.executor.step)
-  engine.generate(prompts, sampling)  # warm-up: compiles every bucket this run uses
-  compiles_before = len(_BACKEND_COMPILES)
-  best = None
-  for _ in range(repeats):
-    recording.records = []
+class KvpageContender:
+  """One engine: each `run()` times `generate`, then replays its batches (`replay_steps`)."""
+
+  def __init__(self, engine, prompts, new_tokens):
+    self.engine, self.prompts = engine, prompts
+    self.sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    self.recording = engine.executor.step = RecordingStep(engine.executor.step)
+    self.walls, self.steps, self.num_steps = [], [], 0
+    self.run()  # warm-up: compiles every bucket this run uses
+    self.walls, self.steps = [], []
+
+  def run(self) -> None:
+    self.recording.records = []
     start = time.perf_counter()
-    requests = engine.generate(prompts, sampling)
-    wall = time.perf_counter() - start
-    if any(len(r.output_ids) != new_tokens for r in requests):
+    requests = self.engine.generate(self.prompts, self.sampling)
+    self.walls.append(time.perf_counter() - start)
+    if any(len(r.output_ids) != self.sampling.max_tokens for r in requests):
       raise RuntimeError("kvpage generated the wrong number of tokens")
-    if best is None or wall < best["wall_s"]:
-      best = dict(wall_s=wall, num_steps=len(recording.records), records=recording.records)
-  best["step_s"] = replay_steps(engine.executor, best.pop("records"), repeats)
-  best["host_added"] = best["wall_s"] / best["step_s"] - 1
-  best["recompiles"] = len(_BACKEND_COMPILES) - compiles_before
-  return best
+    self.num_steps = len(self.recording.records)
+    self.steps.append(replay_steps(self.engine.executor, self.recording.records))
+
+  def result(self) -> dict:
+    wall, step = min(self.walls), min(self.steps)
+    return dict(wall_s=wall, step_s=step, host_added=wall / step - 1, num_steps=self.num_steps,
+                walls_s=self.walls, replays_s=self.steps)
 
 
-def time_hf(model, prompts, new_tokens, repeats):
-  inputs = torch.tensor(prompts)
-  results = {}
-  for cache in ("dynamic", "static"):
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+class HfContender:
+  """Batched greedy `generate` with one cache implementation; `None` if it cannot run."""
+
+  def __init__(self, model, prompts, new_tokens, cache):
+    self.model, self.inputs, self.walls = model, torch.tensor(prompts), []
+    self.kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     if cache == "static":
-      kwargs["cache_implementation"] = "static"
+      self.kwargs["cache_implementation"] = "static"
+    self.error = None
     try:
-      with torch.inference_mode():
-        model.generate(inputs, **kwargs)  # warm-up
-        walls = []
-        for _ in range(repeats):
-          start = time.perf_counter()
-          model.generate(inputs, **kwargs)
-          walls.append(time.perf_counter() - start)
-      results[cache] = min(walls)
-    except Exception as error:
-      results[cache] = f"n/a: {type(error).__name__}: {error}"
-  return results
+      self.run()  # warm-up
+    except Exception as error:  # an unsupported cache in this transformers version
+      self.error = f"n/a: {type(error).__name__}: {error}"
+    self.walls = []
+
+  def run(self) -> None:
+    if self.error:
+      return
+    with torch.inference_mode():
+      start = time.perf_counter()
+      self.model.generate(self.inputs, **self.kwargs)
+      self.walls.append(time.perf_counter() - start)
+
+  def result(self) -> float | str:
+    return self.error or min(self.walls)
 
 
 def main(argv: list[str]) -> None:
@@ -168,22 +178,31 @@ def main(argv: list[str]) -> None:
     prompts = rng.integers(1, model_config.vocab_size, (batch, _PROMPT_LEN.value)).tolist()
     num_pages = 1 + batch * -(-(_PROMPT_LEN.value + _NEW_TOKENS.value) // _PAGE_SIZE.value)
     config.scheduler.watermark = 0.0  # an offline batch sized to fit: admit everything
-    runs = {}
+    contenders = {}
     for mode in (True, False):  # async scheduling (the default), then synchronous
       config.scheduler.async_scheduling = mode
       engine = build.llama_engine(loaded_config, params, config.scheduler, num_pages=num_pages,
                                   page_size=_PAGE_SIZE.value)
-      runs["async" if mode else "sync"] = time_kvpage(engine, prompts, _NEW_TOKENS.value,
-                                                      _REPEATS.value)
-    ours, sync = runs["async"], runs["sync"]
-    theirs = time_hf(hf_model, prompts, _NEW_TOKENS.value, _REPEATS.value)
+      contenders["async" if mode else "sync"] = KvpageContender(engine, prompts,
+                                                                _NEW_TOKENS.value)
+    for cache in ("dynamic", "static"):
+      contenders[cache] = HfContender(hf_model, prompts, _NEW_TOKENS.value, cache)
+    # Round-robin, best of `repeats` each: this VM's speed drifts, so timing the
+    # contenders in separate phases would compare different machines.
+    compiles_before = len(_BACKEND_COMPILES)
+    for _ in range(_REPEATS.value):
+      for contender in contenders.values():
+        contender.run()
+    recompiles = len(_BACKEND_COMPILES) - compiles_before
+    ours, sync = contenders["async"].result(), contenders["sync"].result()
+    theirs = {cache: contenders[cache].result() for cache in ("dynamic", "static")}
     numeric = {k: v for k, v in theirs.items() if isinstance(v, float)}
     best_cache = min(numeric, key=numeric.get)
     tokens = batch * _NEW_TOKENS.value
     row = dict(batch=batch, kvpage_tokens_per_s=tokens / ours["wall_s"],
                hf_tokens_per_s=tokens / numeric[best_cache], hf_best_cache=best_cache,
                hf_seconds=theirs, kvpage=ours, kvpage_sync=sync,
-               kvpage_sync_tokens_per_s=tokens / sync["wall_s"])
+               kvpage_sync_tokens_per_s=tokens / sync["wall_s"], recompiles=recompiles)
     row["ratio"] = row["kvpage_tokens_per_s"] / row["hf_tokens_per_s"]
     rows.append(row)
     steps = ours["num_steps"]
@@ -191,7 +210,7 @@ def main(argv: list[str]) -> None:
           f"{best_cache:>9} {row['ratio']:>6.2f} {1e3 * ours['step_s'] / steps:>8.2f} "
           f"{1e3 * ours['wall_s'] / steps:>9.2f} {ours['host_added']:>8.1%} "
           f"{row['kvpage_sync_tokens_per_s']:>10.0f} {sync['host_added']:>8.1%} "
-          f"{ours['recompiles'] + sync['recompiles']:>10}")
+          f"{recompiles:>10}")
   record = dict(benchmark="decode_cpu", premises=dict(
       model=model_config.name, dims={k: model_config[k] for k in (
           "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",

@@ -231,7 +231,37 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
 
 
+# Single-pass widths (in pages) the XLA paths pick from at run time; table_bucket's ladder.
+SPAN_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
 def _fold(q_rows, k_pages, v_pages, rows, limits, pages_per_chunk, soft_cap):
+  """`_fold_chunks` over only as many table entries as the longest context needs.
+
+  Tables are pinned wide (the model's whole context), so a fixed first chunk would
+  gather and score pages that no sequence in the batch holds yet. A `lax.switch` on
+  the pages the batch needs picks the smallest single-pass span of `SPAN_LADDER` that
+  holds them (compiled into the same program: no recompilation as contexts grow), and
+  falls back to chunks of `pages_per_chunk` beyond. Measured on the tiny model at
+  batch 32 (2-core CPU): a decode step at 20-token contexts 2.31 -> 1.92 ms.
+  """
+  page_size = k_pages.shape[-2]
+  spans = [span for span in SPAN_LADDER if span < min(pages_per_chunk, rows.shape[-1])]
+  if not spans:
+    return _fold_chunks(q_rows, k_pages, v_pages, rows, limits, pages_per_chunk, soft_cap)
+  needed = -(-jnp.max(limits, initial=0) // page_size)
+  index = sum((needed > span).astype(jnp.int32) for span in spans)
+
+  def branch(span):
+    if span is None:
+      return lambda *args: _fold_chunks(*args, pages_per_chunk, soft_cap)
+    return lambda q, k, v, r, lim: _fold_chunks(q, k, v, r[..., :span], lim, span, soft_cap)
+
+  return jax.lax.switch(index, [branch(span) for span in spans] + [branch(None)],
+                        q_rows, k_pages, v_pages, rows, limits)
+
+
+def _fold_chunks(q_rows, k_pages, v_pages, rows, limits, pages_per_chunk, soft_cap):
   """Online softmax over chunks of `pages_per_chunk` table entries (one pass if it fits).
 
   `q_rows: f32[num_kv_heads, n, m, head_dim]`: `m` query rows of each of `n` tables
