@@ -10,6 +10,19 @@ import jax
 import jax.numpy as jnp
 
 
+def argmax(logits: jax.Array) -> jax.Array:
+  """`i32[rows]`: the first index of each row's maximum, as `jnp.argmax`.
+
+  Written as a max and a masked min: XLA:CPU lowers `argmax` (a variadic reduce) to a
+  scalar loop, ~4x slower at `[32, 512]` (65 vs 17 us, isolated, 2-core CPU). A row
+  with a NaN (no element equals its max) gives the last index.
+  """
+  vocab = logits.shape[-1]
+  index = jnp.arange(vocab, dtype=jnp.int32)
+  first = jnp.min(jnp.where(logits == logits.max(axis=-1, keepdims=True), index, vocab), -1)
+  return jnp.minimum(first, vocab - 1)
+
+
 def sample(logits: jax.Array, batch, *, all_greedy: bool) -> jax.Array:
   """`i32[num_seqs]` token ids from `f32[num_seqs, vocab]` logits.
 
@@ -17,7 +30,7 @@ def sample(logits: jax.Array, batch, *, all_greedy: bool) -> jax.Array:
   (1 = off), `seeds` and `sample_index`. With `all_greedy` (a static flag the host
   sets when no row samples stochastically) the sort and the draw are skipped.
   """
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  greedy = argmax(logits)
   if all_greedy:
     return greedy
   temperature = batch.temperature[:, None]

@@ -128,3 +128,15 @@ def test_warmup_compiles_every_shape_serving_then_uses(params):
       max_tokens=item.output_len, ignore_eos=True))
   assert engine.scheduler.stats()["num_finished"] > 0
   assert engine.executor.num_compiles == num_programs  # nothing compiled on the request path
+
+
+def test_argmax_is_the_first_maximum_like_jnp_argmax():
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((16, 300)).astype(np.float32)
+  logits[3, [7, 200]] = 50.0  # a tie: the first index wins
+  logits[5, :] = 1.0  # all equal
+  logits = jnp.asarray(logits)
+  expected = jnp.argmax(logits, axis=-1)
+  assert sampling.argmax(logits).tolist() == expected.tolist()
+  assert sampling.argmax(logits)[3] == 7 and sampling.argmax(logits)[5] == 0
+  assert sampling.argmax(jnp.asarray([[1.0, jnp.nan, 2.0]]))[0] == 2  # in range, even so
