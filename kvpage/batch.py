@@ -21,6 +21,7 @@ Host side: numpy only. `StepBatch` is a NamedTuple, which jax treats as a pytree
 
 import dataclasses
 import itertools
+import math
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -248,15 +249,25 @@ def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
   batch.sample_index[:num_seqs] = [seq.sample_index for seq in scheduled]
 
 
+_FIELD_DTYPES = {"temperature": np.float32, "top_p": np.float32, "seeds": np.uint32}  # else i32
+
+
 def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int, *,
                   decode_only: bool = False) -> StepBatch:
-  """An all-padding batch of the given (bucketed) shape: every token writes the null page."""
-  i32 = np.int32
-  return (DecodeStepBatch if decode_only else StepBatch)(
-      token_ids=np.zeros(num_tokens, i32), positions=np.zeros(num_tokens, i32),
-      slot_mapping=np.zeros(num_tokens, i32), query_start_loc=np.zeros(num_seqs + 1, i32),
-      context_lens=np.zeros(num_seqs, i32),
-      block_tables=np.zeros((num_seqs, max_pages_per_seq), i32),
-      logits_indices=np.zeros(num_seqs, i32), temperature=np.zeros(num_seqs, np.float32),
-      top_k=np.zeros(num_seqs, i32), top_p=np.ones(num_seqs, np.float32),
-      seeds=np.zeros(num_seqs, np.uint32), sample_index=np.zeros(num_seqs, i32))
+  """An all-padding batch of the given (bucketed) shape: every token writes the null page.
+
+  The fields are consecutive views of one zeroed buffer (one allocation per step,
+  not twelve; the 4-byte floats and seeds are views of it too).
+  """
+  t, s, m = num_tokens, num_seqs, max_pages_per_seq
+  shapes = ((t,), (t,), (t,), (s + 1,), (s,), (s, m), (s,), (s,), (s,), (s,), (s,), (s,))
+  buffer = np.zeros(sum(math.prod(shape) for shape in shapes), np.int32)
+  fields, offset = [], 0
+  for name, shape in zip(StepBatch._fields, shapes, strict=True):
+    size = math.prod(shape)
+    fields.append(buffer[offset:offset + size].view(_FIELD_DTYPES.get(name, np.int32))
+                  .reshape(shape))
+    offset += size
+  batch = (DecodeStepBatch if decode_only else StepBatch)(*fields)
+  batch.top_p[:] = 1.0
+  return batch
