@@ -15,10 +15,9 @@ in timing: `step()` returns the tokens of the step before, and a request that st
 on a stop token has one extra token computed for it, then dropped.
 """
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from kvpage.request import Request, RequestStatus, SamplingParams
 from kvpage.scheduler import Admission, Scheduler
@@ -39,9 +38,8 @@ class Executor(Protocol):
     ...
 
 
-@dataclasses.dataclass(frozen=True)
-class RequestOutput:
-  """What one step did for one request."""
+class RequestOutput(NamedTuple):
+  """What one step did for one request (a NamedTuple: built for every request, every step)."""
 
   request_id: str
   new_token_ids: list[int]
