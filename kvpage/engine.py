@@ -93,10 +93,12 @@ class Engine:
     if not self.async_scheduling:
       return self._complete(output, self.executor.execute(output))
     ticket = self.executor.submit(output)  # Queued on the device behind the step in flight.
-    previous, self._in_flight = self._in_flight, None if output.is_empty else (output, ticket)
-    outputs = [] if previous is None else self._complete(
-        previous[0], self.executor.collect(previous[1]))
-    if output.is_empty:
+    previous = self._in_flight
+    self._in_flight = None if output.is_empty else (output, ticket)
+    outputs = []
+    if previous is not None:  # Waits for the previous step while this one is queued.
+      outputs += self._complete(previous[0], self.executor.collect(previous[1]))
+    if output.is_empty:  # Nothing launched: report what it says (aborts, rejections) now.
       outputs += self._complete(output, {})
     return outputs
 
