@@ -6,7 +6,6 @@ tokens found a step late, aborts of a request whose step is in flight, the strea
 `step()` outputs, and the batch encoding of a token that is still on the device.
 """
 
-import numpy as np
 import pytest
 
 from configs import tiny
@@ -102,27 +101,3 @@ def test_a_token_in_flight_is_encoded_as_its_row_in_the_previous_step():
   assert batch.token_ids[:2].tolist() == [11, -6]
   with pytest.raises(ValueError, match="request b: a token in flight"):
     batch_lib.build(scheduled, page_size=16, feed_rows={"a": 0})
-
-
-def test_the_decode_fast_path_fills_what_the_ragged_path_fills():
-  rng = np.random.default_rng(0)
-  scheduled, feed_rows = [], {}
-  for i in range(13):
-    start = int(rng.integers(0, 60))
-    pages = [int(p) for p in rng.permutation(np.arange(1, 40))[:start // 16 + 1]]
-    token = PLACEHOLDER if i % 3 else int(rng.integers(0, 500))
-    seq = sequence(f"r{i}", [token], start)
-    seq.page_ids = pages
-    scheduled.append(seq)
-    feed_rows[f"r{i}"] = 12 - i
-  batch, _ = batch_lib.build(scheduled, page_size=16, feed_rows=feed_rows)
-  assert type(batch) is batch_lib.DecodeStepBatch
-  ragged = batch_lib.example_batch(batch.token_ids.shape[0], batch.context_lens.shape[0],
-                                   batch.block_tables.shape[1], decode_only=True)
-  table_lens = [len(seq.page_ids) for seq in scheduled]
-  batch_lib._fill_tables(ragged, scheduled, table_lens)
-  batch_lib._fill_tokens(ragged, scheduled, [1] * len(scheduled),
-                         [seq.start_position for seq in scheduled], 16, feed_rows)
-  for name in ("token_ids", "positions", "slot_mapping", "query_start_loc", "context_lens",
-               "block_tables", "logits_indices"):
-    np.testing.assert_array_equal(getattr(batch, name), getattr(ragged, name), err_msg=name)
