@@ -4,8 +4,11 @@
 (kvpage never imports a model: experiments pass one in) and jits it once, at the
 boundary: the cache is donated so XLA updates the page pool in place, the batch
 arrives already padded to buckets so shapes repeat, and the only static argument is
-whether the sampler can be skipped. `num_compiles` counts traces, so tests and
-benchmarks can assert that steady-state serving never recompiles.
+whether the sampler can be skipped. `num_compiles` counts traces (a new shape or
+static flag), so tests and benchmarks can assert that steady-state serving never
+recompiles; it cannot see a compilation that reuses a trace (e.g. an input that
+differs only in being committed to a device), which the tests catch by counting XLA
+compilations through `jax.monitoring`.
 
 The sampled ids leave as one fixed-width device array (`feed_width`, padded), which
 is also the `feed` of the next step: a batch token id `-(r + 1)` is read from row `r`
