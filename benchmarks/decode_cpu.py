@@ -10,12 +10,16 @@ from `--prompt_len`-token prompts with greedy decoding, all sequences together:
   * transformers: batched greedy `generate` with its default dynamic cache and with
     `cache_implementation="static"`; the faster is reported as HF's best.
 Generated tokens/s = batch x new tokens / wall time (prefill included for both).
-kvpage runs with async scheduling (the default: step N+1 is scheduled and launched
-while step N runs) and, for comparison, synchronously. For each, the batches the
-engine launched are replayed through the jitted step alone, back to back: `step ms`
-is that executor time per step, `host +%` what the engine's host work (scheduling,
-batch building, bookkeeping) adds to it (engine wall / replay - 1). Compilations
-during the timed runs are counted (expected: 0).
+kvpage runs in three modes, each its own engine on the same weights:
+  * `async N-step`: async scheduling plus multi-step decoding
+    (`scheduler.num_decode_steps = --num_decode_steps`): all-decode steps run N
+    iterations per launch, each feeding its sample to the next on the device;
+  * `async 1-step`: the defaults (step N+1 scheduled and launched while step N runs);
+  * `sync 1-step`: schedule, launch, wait, in turn.
+For each, the launches the engine made are replayed through the jitted step alone,
+back to back: `replay ms` is that executor time per launch, `host +%` what the
+engine's host work (scheduling, batch building, bookkeeping) adds to it (engine
+wall / replay - 1). Compilations during the timed runs are counted (expected: 0).
 Requires the `test` extra (torch, transformers).
 """
 
@@ -41,6 +45,9 @@ _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per sequence.")
 _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per sequence.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
+_DECODE_STEPS = flags.DEFINE_integer(
+    "num_decode_steps", 16, "Decode iterations per launch of the multi-step kvpage engine "
+    "(scheduler.num_decode_steps); 1-step engines run beside it.")
 _REPEATS = flags.DEFINE_integer("repeats", 7, "Timed rounds; each contender runs once a "
                                 "round, best is kept.")
 _OUT = flags.DEFINE_string("out", "decode_cpu.json", "Where to write the JSON record.")
@@ -81,24 +88,33 @@ class RecordingStep:
     return getattr(self.step, name)
 
   def dispatch(self, params, cache, batch, all_greedy, feed=None):
-    self.records.append((batch, all_greedy))
+    self.records.append((batch, all_greedy, 1))
     return self.step.dispatch(params, cache, batch, all_greedy, feed)
+
+  def dispatch_multi(self, params, cache, batch, all_greedy, feed, num_steps):
+    self.records.append((batch, all_greedy, num_steps))
+    return self.step.dispatch_multi(params, cache, batch, all_greedy, feed, num_steps)
 
 
 def replay_steps(executor, records) -> float:
   """Seconds the executor's step alone takes for `records`, back to back.
 
-  Each step is launched and waited for (sampled ids to numpy), feeding the next from
+  Each launch is made and waited for (sampled ids to numpy), feeding the next from
   its output as the engine does: the engine's wall time minus this is what its host
   work (scheduling, batch building, bookkeeping) adds.
   """
   step = executor.step.step
   feed = None
   start = time.perf_counter()
-  for batch, all_greedy in records:
-    feed, executor.cache = step.dispatch(executor.params, executor.cache, batch, all_greedy,
-                                         feed)
-    np.asarray(feed)
+  for batch, all_greedy, num_steps in records:
+    if num_steps > 1:
+      samples, feed, executor.cache = step.dispatch_multi(
+          executor.params, executor.cache, batch, all_greedy, feed, num_steps)
+    else:
+      samples, executor.cache = step.dispatch(executor.params, executor.cache, batch,
+                                              all_greedy, feed)
+      feed = samples
+    np.asarray(samples)
   return time.perf_counter() - start
 
 
@@ -125,8 +141,8 @@ class KvpageContender:
 
   def result(self) -> dict:
     wall, step = min(self.walls), min(self.steps)
-    return dict(wall_s=wall, step_s=step, host_added=wall / step - 1, num_steps=self.num_steps,
-                walls_s=self.walls, replays_s=self.steps)
+    return dict(wall_s=wall, step_s=step, host_added=wall / step - 1,
+                num_launches=self.num_steps, walls_s=self.walls, replays_s=self.steps)
 
 
 class HfContender:
@@ -171,20 +187,24 @@ def main(argv: list[str]) -> None:
         f"vocab {model_config.vocab_size}), fp32, greedy, prompt {_PROMPT_LEN.value} + "
         f"{_NEW_TOKENS.value} new tokens, page size {_PAGE_SIZE.value}, CPU, torch threads "
         f"{torch.get_num_threads()}")
-  print(f"{'batch':>5} {'kvpage tok/s':>13} {'HF tok/s':>10} {'HF cache':>9} {'ratio':>6} "
-        f"{'step ms':>8} {'engine ms':>9} {'host +%':>8} {'sync tok/s':>10} {'sync +%':>8} "
+  print(f"{'batch':>5} {'kvpage mode':>16} {'tok/s':>7} {'HF tok/s':>8} {'HF cache':>8} "
+        f"{'ratio':>5} {'launches':>8} {'replay ms':>9} {'engine ms':>9} {'host +%':>7} "
         f"{'recompiles':>10}")
+  modes = {  # name -> (async scheduling, decode iterations per launch)
+      f"async {_DECODE_STEPS.value}-step": (True, _DECODE_STEPS.value),
+      "async 1-step": (True, 1), "sync 1-step": (False, 1)}
   for batch in map(int, _BATCHES.value):
     prompts = rng.integers(1, model_config.vocab_size, (batch, _PROMPT_LEN.value)).tolist()
     num_pages = 1 + batch * -(-(_PROMPT_LEN.value + _NEW_TOKENS.value) // _PAGE_SIZE.value)
     config.scheduler.watermark = 0.0  # an offline batch sized to fit: admit everything
     contenders = {}
-    for mode in (True, False):  # async scheduling (the default), then synchronous
-      config.scheduler.async_scheduling = mode
-      engine = build.llama_engine(loaded_config, params, config.scheduler, num_pages=num_pages,
+    for mode, (async_scheduling, decode_steps) in modes.items():
+      scheduler_config = config.scheduler.copy_and_resolve_references()  # one per engine
+      scheduler_config.update(dict(async_scheduling=async_scheduling,
+                                   num_decode_steps=decode_steps))
+      engine = build.llama_engine(loaded_config, params, scheduler_config, num_pages=num_pages,
                                   page_size=_PAGE_SIZE.value)
-      contenders["async" if mode else "sync"] = KvpageContender(engine, prompts,
-                                                                _NEW_TOKENS.value)
+      contenders[mode] = KvpageContender(engine, prompts, _NEW_TOKENS.value)
     for cache in ("dynamic", "static"):
       contenders[cache] = HfContender(hf_model, prompts, _NEW_TOKENS.value, cache)
     # Round-robin, best of `repeats` each: this VM's speed drifts, so timing the
@@ -194,30 +214,30 @@ def main(argv: list[str]) -> None:
       for contender in contenders.values():
         contender.run()
     recompiles = len(_BACKEND_COMPILES) - compiles_before
-    ours, sync = contenders["async"].result(), contenders["sync"].result()
     theirs = {cache: contenders[cache].result() for cache in ("dynamic", "static")}
     numeric = {k: v for k, v in theirs.items() if isinstance(v, float)}
     best_cache = min(numeric, key=numeric.get)
     tokens = batch * _NEW_TOKENS.value
-    row = dict(batch=batch, kvpage_tokens_per_s=tokens / ours["wall_s"],
-               hf_tokens_per_s=tokens / numeric[best_cache], hf_best_cache=best_cache,
-               hf_seconds=theirs, kvpage=ours, kvpage_sync=sync,
-               kvpage_sync_tokens_per_s=tokens / sync["wall_s"], recompiles=recompiles)
-    row["ratio"] = row["kvpage_tokens_per_s"] / row["hf_tokens_per_s"]
-    rows.append(row)
-    steps = ours["num_steps"]
-    print(f"{batch:>5} {row['kvpage_tokens_per_s']:>13.0f} {row['hf_tokens_per_s']:>10.0f} "
-          f"{best_cache:>9} {row['ratio']:>6.2f} {1e3 * ours['step_s'] / steps:>8.2f} "
-          f"{1e3 * ours['wall_s'] / steps:>9.2f} {ours['host_added']:>8.1%} "
-          f"{row['kvpage_sync_tokens_per_s']:>10.0f} {sync['host_added']:>8.1%} "
-          f"{recompiles:>10}")
+    hf_tokens_per_s = tokens / numeric[best_cache]
+    for mode in modes:
+      ours = contenders[mode].result()
+      row = dict(batch=batch, mode=mode, kvpage_tokens_per_s=tokens / ours["wall_s"],
+                 hf_tokens_per_s=hf_tokens_per_s, hf_best_cache=best_cache,
+                 hf_seconds=theirs, kvpage=ours, recompiles=recompiles)
+      row["ratio"] = row["kvpage_tokens_per_s"] / hf_tokens_per_s
+      rows.append(row)
+      launches = ours["num_launches"]
+      print(f"{batch:>5} {mode:>16} {row['kvpage_tokens_per_s']:>7.0f} {hf_tokens_per_s:>8.0f} "
+            f"{best_cache:>8} {row['ratio']:>5.2f} {launches:>8} "
+            f"{1e3 * ours['step_s'] / launches:>9.2f} {1e3 * ours['wall_s'] / launches:>9.2f} "
+            f"{ours['host_added']:>7.1%} {recompiles:>10}")
   record = dict(benchmark="decode_cpu", premises=dict(
       model=model_config.name, dims={k: model_config[k] for k in (
           "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
           "vocab_size")}, dtype="fp32", prompt_len=_PROMPT_LEN.value,
       new_tokens=_NEW_TOKENS.value, page_size=_PAGE_SIZE.value, sampling="greedy",
       batch_policy="all prompts submitted at once; continuous batching, chunked prefill; "
-      "kvpage async scheduling (sync run reported beside it)",
+      f"kvpage modes: {', '.join(modes)}",
       attention_impl=model_config.attention_impl,
       repeats=_REPEATS.value, torch_threads=torch.get_num_threads(),
       **premises.environment()), rows=rows)

@@ -11,6 +11,7 @@ import ml_collections
 OUTPUT_ESTIMATES = ("max_tokens", "fixed", "running_mean")
 PREFILL_POLICIES = ("none", "chunked")
 PREEMPTION_MODES = ("recompute", "swap", "abort")
+MAX_DECODE_STEPS = 256  # a launch returns [num_decode_steps, rows] samples
 
 
 def get_scheduler_config() -> ml_collections.ConfigDict:
@@ -39,11 +40,17 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       # step N runs, so host work hides behind the device. Real runs only: a simulated
       # GPU runs on virtual time, with no host work to hide.
       async_scheduling=True,
+      # Multi-step decoding (vLLM's multi-step scheduling, --num-scheduler-steps): when a
+      # step is all decodes and nothing waits to join, run this many decode iterations
+      # in one device launch, feeding each sample to the next on the device. Host work
+      # and launch cost are paid once per launch; a request arriving meanwhile waits up
+      # to that many iterations to join, and a stop token is seen only at the end.
+      num_decode_steps=1,
   ))
 
 
 _POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
-                  "fixed_output_estimate", "output_estimate_window")
+                  "fixed_output_estimate", "output_estimate_window", "num_decode_steps")
 _NON_NEGATIVE_INTS = ("chunk_size", "num_host_pages")
 _POSITIVE_FLOATS = ("retry_after_window_s", "default_retry_after_s", "max_retry_after_s")
 
@@ -63,6 +70,9 @@ def check(config: ml_collections.ConfigDict, max_model_len: int) -> None:
   for key in _POSITIVE_FLOATS:
     if not config[key] > 0:
       raise ValueError(f"scheduler.{key} must be > 0, got {config[key]!r}")
+  if config.num_decode_steps > MAX_DECODE_STEPS:
+    raise ValueError(f"scheduler.num_decode_steps must be at most {MAX_DECODE_STEPS}, got "
+                     f"{config.num_decode_steps}")
   if not isinstance(config.async_scheduling, bool):
     raise ValueError(f"scheduler.async_scheduling must be true or false, got "
                      f"{config.async_scheduling!r}")

@@ -53,7 +53,8 @@ _SLO_TPOT = flags.DEFINE_float("slo_tpot", None, "TPOT SLO (s) for goodput.")
 _SCHEDULER_FLAGS = {
     name: flags.DEFINE_string(name, None, f"Shortcut for --config.scheduler.{name}.")
     for name in ("prefill_policy", "chunk_size", "preemption_mode", "max_num_seqs",
-                 "max_num_batched_tokens", "max_waiting", "watermark", "output_estimate")}
+                 "max_num_batched_tokens", "max_waiting", "watermark", "output_estimate",
+                 "num_decode_steps")}
 
 
 def apply_overrides(config: ml_collections.ConfigDict) -> None:
@@ -110,7 +111,8 @@ def main(argv: list[str]) -> None:
   if _EXECUTOR.value == "jax" and _WARMUP.value:
     scheduler_config = setup.config.scheduler
     setup.engine.executor.warmup(scheduler_config.max_num_seqs,
-                                 scheduler_config.max_num_batched_tokens)
+                                 scheduler_config.max_num_batched_tokens,
+                                 num_decode_steps=scheduler_config.num_decode_steps)
   compiles_before = getattr(setup.engine.executor, "num_compiles", 0)
   # The clock of record starts here, after set-up and warm-up.
   recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock)

@@ -49,6 +49,7 @@ class StepBatch(NamedTuple):
   top_p: np.ndarray  # f32[S], 1 = off
   seeds: np.ndarray  # u32[S], per-request seed
   sample_index: np.ndarray  # i32[S], tokens generated so far (folded into the key)
+  num_steps: np.ndarray  # i32[S], decode iterations of each row (multi-step); padding 0
 
   # Not a field: a class-level fact. jit keys its cache on the pytree's type, so the
   # subclass below is a *static* flag the model can branch on at trace time.
@@ -132,6 +133,7 @@ class BatchInfo:
   num_tokens: int  # real (unpadded) tokens
   num_seqs: int  # real sequences
   all_greedy: bool  # every sampling row has temperature 0: skip the sampler
+  num_steps: list[int]  # tokens row s samples: its decode iterations (multi-step), else 1
 
 
 def bucket(value: int, ladder: Sequence[int], what: str) -> int:
@@ -183,9 +185,11 @@ def build(scheduled: Sequence[Any], *, page_size: int, buckets: Buckets | None =
   starts = [seq.start_position for seq in scheduled]
   table_lens = [len(seq.page_ids) for seq in scheduled]
   for seq, n, first, num_pages in zip(scheduled, query_lens, starts, table_lens):
-    if n == 0 or first + n > num_pages * page_size:
-      raise ValueError(f"request {seq.request_id}: {n} tokens from position {first} do not "
-                       f"fit its {num_pages} pages of {page_size}")
+    extra = seq.num_steps - 1  # positions the later iterations of a multi-step decode add
+    if n == 0 or first + n + extra > num_pages * page_size or (extra and n != 1):
+      raise ValueError(f"request {seq.request_id}: {n} tokens from position {first} "
+                       f"({seq.num_steps} iterations) do not fit its {num_pages} pages of "
+                       f"{page_size}, or are not one decode token")
   buckets = buckets or DEFAULT_BUCKETS
   num_tokens, num_seqs = sum(query_lens), len(scheduled)
   decode_only = num_tokens == num_seqs  # every sequence brings one token (none brings zero)
@@ -199,7 +203,8 @@ def build(scheduled: Sequence[Any], *, page_size: int, buckets: Buckets | None =
   info = BatchInfo(
       request_ids=[seq.request_id for seq in scheduled],
       samples=[seq.samples for seq in scheduled], num_tokens=num_tokens, num_seqs=num_seqs,
-      all_greedy=all(seq.request.sampling.temperature == 0 for seq in scheduled if seq.samples))
+      all_greedy=all(seq.request.sampling.temperature == 0 for seq in scheduled if seq.samples),
+      num_steps=[seq.num_steps for seq in scheduled])
   return batch, info
 
 
@@ -239,7 +244,7 @@ def _fill_tokens(batch: StepBatch, scheduled: Sequence[Any], query_lens: list[in
 
 
 def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
-  """Per-row sampling parameters, seeds and the index folded into each row's key."""
+  """Per-row sampling parameters, seeds, the index folded into each row's key, iterations."""
   num_seqs = len(scheduled)
   params = [seq.request.sampling for seq in scheduled]
   batch.temperature[:num_seqs] = [p.temperature for p in params]
@@ -247,6 +252,7 @@ def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
   batch.top_p[:num_seqs] = [p.top_p for p in params]
   batch.seeds[:num_seqs] = [request_seed(seq.request) for seq in scheduled]
   batch.sample_index[:num_seqs] = [seq.sample_index for seq in scheduled]
+  batch.num_steps[:num_seqs] = [seq.num_steps for seq in scheduled]
 
 
 _FIELD_DTYPES = {"temperature": np.float32, "top_p": np.float32, "seeds": np.uint32}  # else i32
@@ -260,7 +266,7 @@ def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int, *,
   not twelve; the 4-byte floats and seeds are views of it too).
   """
   t, s, m = num_tokens, num_seqs, max_pages_per_seq
-  shapes = ((t,), (t,), (t,), (s + 1,), (s,), (s, m), (s,), (s,), (s,), (s,), (s,), (s,))
+  shapes = ((t,), (t,), (t,), (s + 1,), (s,), (s, m), (s,), (s,), (s,), (s,), (s,), (s,), (s,))
   buffer = np.zeros(sum(math.prod(shape) for shape in shapes), np.int32)
   fields, offset = [], 0
   for name, shape in zip(StepBatch._fields, shapes, strict=True):

@@ -13,6 +13,10 @@ launched while step N still runs on the device, and step N's samples are applied
 after. The host's work hides behind the device's; what a request sees changes only
 in timing: `step()` returns the tokens of the step before, and a request that stops
 on a stop token has one extra token computed for it, then dropped.
+
+Multi-step decoding (`scheduler.num_decode_steps`) composes with both loops: a launch
+then carries several decode iterations, and its outputs list each request's tokens
+of all of them, up to a stop token.
 """
 
 import itertools
@@ -33,8 +37,9 @@ class Executor(Protocol):
   step, page copies first, without waiting) and `collect(ticket) -> samples`.
   """
 
-  def execute(self, output: SchedulerOutput) -> dict[str, int]:
-    """Runs the step (page copies first); returns a token per sequence that samples."""
+  def execute(self, output: SchedulerOutput) -> dict[str, int | list[int]]:
+    """Runs the step (page copies first); returns a token per sequence that samples,
+    or for a multi-step decode (`output.num_steps > 1`) the list of its tokens."""
     ...
 
 
@@ -60,7 +65,8 @@ class Engine:
     self.executor = executor
     self.async_scheduling = async_scheduling
     self._in_flight: tuple[SchedulerOutput, Any] | None = None  # launched, not collected
-    self.on_step = on_step  # e.g. a metrics recorder: on_step(output, sampled, finished)
+    # e.g. a metrics recorder: on_step(output, {request_id: new token ids}, finished)
+    self.on_step = on_step
     self._ids = itertools.count()
     self.idle_steps = 0  # consecutive steps that scheduled nothing
     self._reported: set[str] = set()  # finished in update(), not yet echoed by schedule()
@@ -102,7 +108,8 @@ class Engine:
       outputs += self._complete(output, {})
     return outputs
 
-  def _complete(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+  def _complete(self, output: SchedulerOutput,
+                sampled: dict[str, int | list[int]]) -> list[RequestOutput]:
     """Applies a step's samples to the scheduler; the outputs of `step()`."""
     # Requests that finished after this step was scheduled (aborted, or stopped by the
     # step before) were reported then; their samples are void.
@@ -110,9 +117,15 @@ class Engine:
             if seq.request.status is RequestStatus.FINISHED}
     sampled = {request_id: token for request_id, token in sampled.items()
                if request_id not in void}
+    before = {seq.request_id: len(seq.request.output_ids) for seq in output.scheduled
+              if seq.request_id in sampled}
     finished = self.scheduler.update(output, sampled)
+    # What update() appended: each sampled token, or a multi-step decode's tokens up to
+    # a stop token.
+    new_tokens = {seq.request_id: seq.request.output_ids[before[seq.request_id]:]
+                  for seq in output.scheduled if seq.request_id in before}
     if self.on_step is not None:
-      self.on_step(output, sampled, finished)
+      self.on_step(output, new_tokens, finished)
     touched = {seq.request_id: seq.request for seq in output.scheduled
                if seq.request_id not in void}
     # `output.finished` repeats requests that the previous `update` finished (and
@@ -128,9 +141,8 @@ class Engine:
     for request_id, request in touched.items():
       done = request.status is RequestStatus.FINISHED
       if request_id in sampled or done:
-        outputs.append(RequestOutput(
-            request_id, [sampled[request_id]] if request_id in sampled else [], done,
-            request.finish_reason, request.status.value))
+        outputs.append(RequestOutput(request_id, new_tokens.get(request_id, []), done,
+                                     request.finish_reason, request.status.value))
     return outputs
 
   def generate(self, prompts: Sequence[Sequence[int]],

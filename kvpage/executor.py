@@ -1,8 +1,9 @@
 """Executors run a `SchedulerOutput`: `JaxExecutor` on a real model over the paged cache.
 
 An executor answers one call, `execute(output) -> {request_id: sampled token}`, for
-the sequences that sample this step. The scheduler and engine never see what is
-behind it, so a simulated GPU (`kvpage.sim_executor`) can stand in for a real model.
+the sequences that sample this step (a list of tokens for a multi-step decode). The
+scheduler and engine never see what is behind it, so a simulated GPU
+(`kvpage.sim_executor`) can stand in for a real model.
 
 `JaxExecutor` owns the params, the device cache, a host page pool for swapping, and
 the jitted step. Swap copies run before the step, swap-outs first (a step may reuse
@@ -85,42 +86,60 @@ class JaxExecutor:
       return Ticket(None, None)
     batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
                                   buckets=self.buckets, feed_rows=self._feed_rows)
-    tokens, self.cache = self.step.dispatch(self.params, self.cache, batch, info.all_greedy,
-                                            self._feed)
+    if output.num_steps > 1:  # multi-step decoding: samples [num_steps, feed_width]
+      tokens, feed, self.cache = self.step.dispatch_multi(
+          self.params, self.cache, batch, info.all_greedy, self._feed, output.num_steps)
+    else:
+      tokens, self.cache = self.step.dispatch(self.params, self.cache, batch,
+                                              info.all_greedy, self._feed)
+      feed = tokens
     tokens.copy_to_host_async()
-    self._feed = tokens
+    self._feed = feed
     self._feed_rows = {request_id: row for row, (request_id, samples)
                        in enumerate(zip(info.request_ids, info.samples)) if samples}
     self.num_steps += 1
     return Ticket(tokens, info)
 
-  def collect(self, ticket: Ticket) -> dict[str, int]:
-    """Waits for a launched step: a sampled token per sequence that samples."""
+  def collect(self, ticket: Ticket) -> dict[str, int | list[int]]:
+    """Waits for a launched step: a sampled token per sequence that samples (a list of
+    its `num_steps` tokens for a multi-step sequence)."""
     if ticket.tokens is None:
       return {}
     info = ticket.info
-    tokens = np.asarray(ticket.tokens)[:info.num_seqs].tolist()
-    return {request_id: token for request_id, token, samples
-            in zip(info.request_ids, tokens, info.samples) if samples}
+    tokens = np.asarray(ticket.tokens)
+    if tokens.ndim == 1:
+      return {request_id: token for request_id, token, samples
+              in zip(info.request_ids, tokens[:info.num_seqs].tolist(), info.samples)
+              if samples}
+    columns = tokens[:, :info.num_seqs].T.tolist()
+    return {request_id: row[:num_steps] for request_id, row, num_steps
+            in zip(info.request_ids, columns, info.num_steps)}
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
-             all_greedy: tuple[bool, ...] = (True,)) -> int:
+             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
     """Compiles every step shape a scheduler with these limits can produce; returns the count.
 
     All-padding batches write only the null page, so the cache's contents are untouched.
     With pinned buckets (`Buckets.for_server`) this is a few programs per token bucket,
-    and serving never compiles on the request path afterwards.
+    and serving never compiles on the request path afterwards. With
+    `num_decode_steps > 1` every decode shape also gets its multi-step program.
     """
     shapes = self.buckets.warmup_shapes(max_num_seqs, max_num_batched_tokens)
     width = self.buckets.table_width(1)
+    count = 0
     for num_tokens, num_seqs, decode_only in shapes:
       batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
       for greedy in all_greedy:  # fed like serving steps, so their programs match
         self._feed, self.cache = self.step.dispatch(self.params, self.cache, batch, greedy,
                                                     self._feed)
+        count += 1
+        if decode_only and num_decode_steps > 1:
+          _, self._feed, self.cache = self.step.dispatch_multi(
+              self.params, self.cache, batch, greedy, self._feed, num_decode_steps)
+          count += 1
     if self._feed is not None:
       self._feed.block_until_ready()
-    return len(shapes) * len(all_greedy)
+    return count
 
   def swap_out(self, copies: list[tuple[int, int]]) -> None:
     """Copies device pages to host pages: `[(device_page, host_page), ...]`."""

@@ -54,7 +54,8 @@ class MetricsRecorder:
     """Registers a submitted request (admitted or not)."""
     self.requests.append(request)
 
-  def on_step(self, output: Any, sampled: dict[str, int], finished: list[Request]) -> None:
+  def on_step(self, output: Any, new_tokens: dict[str, list[int]],
+              finished: list[Request]) -> None:
     del finished  # Read from the requests themselves.
     now = self.clock()
     stats = self.scheduler.stats()
@@ -62,15 +63,16 @@ class MetricsRecorder:
                num_running=stats["num_running"], num_waiting=stats["num_waiting"],
                num_swapped=stats["num_swapped"], kv_usage=stats["kv_usage"],
                num_free_pages=stats["num_free_pages"],
-               prompt_tokens=output.num_prefill_tokens, generated_tokens=len(sampled),
+               prompt_tokens=output.num_prefill_tokens,
+               generated_tokens=sum(map(len, new_tokens.values())),
                num_seqs=len(output.scheduled), swap_pages=len(output.swap_out) + len(
                    output.swap_in))
     for key in ("preemptions", "rejections"):
       row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
       self._last[key] = dict(stats[key])
     self.steps.append(row)
-    for request_id in sampled:
-      self.token_times[request_id].append(now)
+    for request_id, tokens in new_tokens.items():  # a multi-step decode's arrive together
+      self.token_times[request_id].extend([now] * len(tokens))
 
   def request_rows(self) -> list[dict[str, Any]]:
     """Per-request latencies (seconds) and outcome."""

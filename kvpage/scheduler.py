@@ -23,6 +23,13 @@ request (largest priority value, newest among equals) is preempted — by recomp
 swap or abort (`preemption.py`). A running request never fails because another
 one grew: it either gets its page or is itself the least important request.
 
+With `num_decode_steps > 1` (multi-step decoding, vLLM's multi-step scheduling) a
+step that is all decodes, while nothing waits or sits swapped, becomes one launch of
+up to that many decode iterations: each request's pages for all of them are reserved
+at once (or, if they do not fit, the step stays single rather than preempt for
+lookahead), and its tokens come back together. Fewer launches, less host work per
+token; a request arriving meanwhile waits for the launch to end.
+
 The scheduler never touches device arrays: `SchedulerOutput` lists token ids,
 positions, page lists and page copies; `batch.py` turns them into arrays.
 Pure Python: never imports jax.
@@ -40,7 +47,13 @@ from kvpage import preemption
 from kvpage.admission import Admission, AdmissionControl
 from kvpage.block_manager import BlockManager
 from kvpage.request import Request, RequestStatus
-from kvpage.scheduler_output import Preemption, ScheduledSequence, SchedulerOutput, make_sequence
+from kvpage.scheduler_output import (
+  Preemption,
+  ScheduledSequence,
+  SchedulerOutput,
+  make_sequence,
+  tokens_of,
+)
 
 __all__ = ["Admission", "Preemption", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
@@ -143,9 +156,11 @@ class Scheduler:
     out.scheduled = list(self._scheduled.values())
     out.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
     self._finished = []
+    self._extend_decodes(out)
     for seq in out.scheduled:  # Committed: the next schedule() may come before update().
-      seq.request.num_computed_tokens = seq.start_position + len(seq.token_ids)
-      seq.request.num_pending += seq.samples
+      seq.request.num_computed_tokens = seq.start_position + len(seq.token_ids) + (
+          seq.num_steps - 1)
+      seq.request.num_pending += seq.samples * seq.num_steps
     return out
 
   def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
@@ -164,22 +179,27 @@ class Scheduler:
       if not seq.samples or request.status is RequestStatus.FINISHED:
         continue
       try:
-        token = int(sampled[seq.request_id])
+        tokens = tokens_of(sampled[seq.request_id])
       except KeyError:
         raise ValueError(f"no sampled token for {seq.request_id!r}") from None
-      if request.num_pending <= 0:
+      if len(tokens) != seq.num_steps:
+        raise ValueError(f"{seq.request_id!r} ran {seq.num_steps} decode iterations but "
+                         f"{len(tokens)} tokens came back")
+      if request.num_pending < len(tokens):
         raise ValueError(f"update() for step {output.step} finds no pending token of "
                          f"{request.request_id!r}: was it applied twice?")
-      request.num_pending -= 1
-      request.output_ids.append(token)
       if now is None:
         now = self.clock()
-      if len(request.output_ids) == 1:
-        request.log(now, "first_token")
-      reason = request.stop_reason(token)
-      if reason is not None:
-        self._finish(request, reason, now)
-        finished.append(request)
+      for token in tokens:  # Tokens after a stop token are void.
+        request.num_pending -= 1
+        request.output_ids.append(token)
+        if len(request.output_ids) == 1:
+          request.log(now, "first_token")
+        reason = request.stop_reason(token)
+        if reason is not None:
+          self._finish(request, reason, now)
+          finished.append(request)
+          break
     return finished
 
   # Read-outs.
@@ -287,6 +307,38 @@ class Scheduler:
         return False
     bm.append_slot(request.request_id, num_tokens)
     return True
+
+  def _extend_decodes(self, out: SchedulerOutput) -> None:
+    """Multi-step decoding: turns an all-decode step into `num_decode_steps` iterations.
+
+    Only when nothing else could use the launch: every scheduled sequence is a
+    decode, no request waits or sits swapped (a joining prefill would wait the whole
+    launch), and the step preempted and copied nothing. Each sequence runs as many
+    iterations as it still may generate (at most `num_decode_steps`), and its pages
+    for all of them are reserved now; if they do not all fit in the free pages, the
+    step stays a single iteration rather than preempt anyone for lookahead.
+    """
+    steps = self.config.num_decode_steps
+    if (steps == 1 or not out.scheduled or self.waiting or self.swapped or out.preempted
+        or out.swap_in or out.swap_out
+        or any(seq.is_prefill or not seq.samples for seq in out.scheduled)):
+      return
+    bm = self.block_manager
+    plans = []
+    for seq in out.scheduled:
+      request = seq.request
+      num_steps = min(steps, request.sampling.max_tokens - request.num_sampled,
+                      self.max_model_len - seq.start_position)
+      plans.append((seq, num_steps, bm.num_missing_pages(request.request_id,
+                                                         seq.start_position + num_steps)))
+    if sum(missing for _, _, missing in plans) > bm.num_free_pages:
+      return
+    for seq, num_steps, missing in plans:
+      if missing:
+        bm.append_slot(seq.request_id, seq.start_position + num_steps)
+        seq.page_ids = list(seq.request.page_ids)
+      seq.num_steps = num_steps
+    out.num_steps = steps
 
   def _add(self, request: Request, num_new: int) -> None:
     self._scheduled[request.request_id] = make_sequence(request, num_new)

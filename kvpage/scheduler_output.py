@@ -7,11 +7,17 @@ and whether the step samples a token for it. The executor copies `swap_out` page
 (device -> host) before `swap_in` pages (host -> device), both before the step
 runs, because a step may reuse the device pages a swap-out just vacated.
 
+Under multi-step decoding (`scheduler.num_decode_steps`) one output is one launch of
+`num_steps` decode iterations: each sequence brings its one input token and
+computes `ScheduledSequence.num_steps` positions, and the executor answers with that
+many tokens for it (`tokens_of`).
+
 Nothing here is device-specific: plain ints and lists, so the same output drives a
 jitted model step or a simulated GPU.
 """
 
 import dataclasses
+from collections.abc import Sequence
 
 from kvpage.admission import Admission
 from kvpage.request import Request
@@ -29,6 +35,10 @@ class ScheduledSequence:
   is_prefill: bool  # False only for one generated token (a decode)
   request: Request = dataclasses.field(repr=False)
   sample_index: int = 0  # tokens the request sampled before this step (its sampling key)
+  # Decode iterations (multi-step decoding): the step computes positions
+  # start_position ... start_position + num_steps - 1, each iteration feeding its sample
+  # to the next, and samples num_steps tokens. 1 for every other sequence.
+  num_steps: int = 1
 
   @property
   def num_tokens(self) -> int:
@@ -58,7 +68,8 @@ class SchedulerOutput:
   preempted: list[Preemption] = dataclasses.field(default_factory=list)
   finished: list[Request] = dataclasses.field(default_factory=list)  # since the last output
   rejected: list[Admission] = dataclasses.field(default_factory=list)  # since the last output
-  num_batched_tokens: int = 0
+  num_batched_tokens: int = 0  # per iteration
+  num_steps: int = 1  # iterations the launch makes room for: > 1 only for multi-step decodes
 
   @property
   def num_prefill_tokens(self) -> int:
@@ -66,12 +77,19 @@ class SchedulerOutput:
 
   @property
   def num_decode_tokens(self) -> int:
-    return sum(1 for seq in self.scheduled if not seq.is_prefill)
+    return sum(seq.num_steps for seq in self.scheduled if not seq.is_prefill)
 
   @property
   def is_empty(self) -> bool:
     """True when the step computes nothing and copies nothing."""
     return not (self.scheduled or self.swap_out or self.swap_in)
+
+
+def tokens_of(sampled: int | Sequence[int]) -> list[int]:
+  """An executor's answer for one sequence as a list: its token, or a multi-step
+  sequence's `num_steps` tokens in order."""
+  return [int(token) for token in sampled] if isinstance(sampled, (list, tuple)) else [
+      int(sampled)]
 
 
 def make_sequence(request: Request, num_new: int) -> ScheduledSequence:

@@ -99,7 +99,9 @@ class SimExecutor:
     self.clock = clock
     self.costs: list[StepCost] = []
 
-  def execute(self, output: SchedulerOutput) -> dict[str, int]:
+  def execute(self, output: SchedulerOutput) -> dict[str, int | list[int]]:
+    if output.num_steps > 1:
+      return self._execute_multi_step(output)
     sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
                  for seq in output.scheduled]
     cost = self.roofline.step_cost(sequences, len(output.swap_out) + len(output.swap_in),
@@ -107,3 +109,13 @@ class SimExecutor:
     self.costs.append(cost)
     self.clock.advance(cost.seconds)
     return {seq.request_id: DUMMY_TOKEN for seq in output.scheduled if seq.samples}
+
+  def _execute_multi_step(self, output: SchedulerOutput) -> dict[str, list[int]]:
+    """A multi-step decode, priced iteration by iteration (each a forward pass, with
+    its own per-step overhead: the simulator does not model launch savings)."""
+    for i in range(max(seq.num_steps for seq in output.scheduled)):
+      live = [seq for seq in output.scheduled if seq.num_steps > i]
+      cost = self.roofline.step_cost([(1, seq.start_position + 1 + i) for seq in live])
+      self.costs.append(cost)
+      self.clock.advance(cost.seconds)
+    return {seq.request_id: [DUMMY_TOKEN] * seq.num_steps for seq in output.scheduled}

@@ -15,6 +15,11 @@ is also the `feed` of the next step: a batch token id `-(r + 1)` is read from ro
 of it on the device (async scheduling, `kvpage.batch`). `dispatch` returns without
 waiting for the device; `__call__` waits and returns the ids as numpy, in one
 device-to-host transfer.
+
+`dispatch_multi` runs multi-step decoding (`scheduler.num_decode_steps`): a decode
+batch goes through up to `num_steps` iterations in one program (a `fori_loop` over
+the model), each iteration's samples becoming the next one's tokens on the device.
+Launch cost and host work are paid once per launch instead of once per token.
 """
 
 from collections.abc import Callable
@@ -40,6 +45,8 @@ class Step:
     self.num_compiles = 0
     self.feed_width = feed_width
     self._jitted = jax.jit(self._step, donate_argnums=(1,), static_argnames=("all_greedy",))
+    self._jitted_multi = jax.jit(self._multi_step, donate_argnums=(1,),
+                                 static_argnames=("all_greedy", "num_steps"))
     self._no_feed = None
 
   def _step(self, params, cache, batch, feed, all_greedy):
@@ -49,6 +56,47 @@ class Step:
     logits, cache = self.forward(params, cache, batch)
     tokens = sampling.sample(logits, batch, all_greedy=all_greedy)
     return jnp.zeros_like(feed).at[:tokens.shape[0]].set(tokens), cache
+
+  def _multi_step(self, params, cache, batch, feed, all_greedy, num_steps):
+    """Up to `num_steps` decode iterations in one program; row s runs `batch.num_steps[s]`.
+
+    Iteration i moves each live row one position on (its pages were reserved by the
+    scheduler), recomputes its slot from the block table, and feeds the previous
+    iteration's sample as its token. A row past its own count stays put and writes
+    the null page; its samples are ignored. Returns every iteration's samples,
+    `i32[num_steps, feed_width]`, and the feed for the next launch: each row's last.
+    """
+    self.num_compiles += 1
+    fed = feed[jnp.maximum(-1 - batch.token_ids, 0)]
+    first_tokens = jnp.where(batch.token_ids < 0, fed, batch.token_ids)
+    num_tokens, num_seqs = batch.token_ids.shape[0], batch.context_lens.shape[0]
+    page_size = cache.page_size
+    # Decode batch: token row s < num_seqs is sequence s's; rows past them are padding.
+    row_steps = jnp.zeros(num_tokens, jnp.int32).at[:num_seqs].set(batch.num_steps)
+    row_tables = batch.block_tables[jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)]
+    samples = jnp.zeros((num_steps, self.feed_width), jnp.int32)
+
+    def iteration(i, carry):
+      cache, tokens, samples = carry
+      advance = jnp.minimum(i, jnp.maximum(row_steps - 1, 0))
+      positions = batch.positions + advance
+      pages = jnp.take_along_axis(row_tables, (positions // page_size)[:, None], 1)[:, 0]
+      live = i < row_steps
+      slots = jnp.where(live, pages * page_size + positions % page_size,
+                        paged_cache.NULL_PAGE * page_size)
+      step_batch = batch._replace(
+          token_ids=tokens, positions=positions, slot_mapping=slots,
+          context_lens=batch.context_lens + advance[:num_seqs],
+          sample_index=batch.sample_index + i)
+      logits, cache = self.forward(params, cache, step_batch)
+      sampled = sampling.sample(logits, step_batch, all_greedy=all_greedy)
+      return (cache, tokens.at[:num_seqs].set(sampled),
+              samples.at[i, :num_seqs].set(sampled))
+
+    cache, _, samples = jax.lax.fori_loop(0, jnp.max(batch.num_steps), iteration,
+                                          (cache, first_tokens, samples))
+    last = samples[jnp.maximum(batch.num_steps - 1, 0), jnp.arange(num_seqs)]
+    return samples, jnp.zeros_like(feed).at[:num_seqs].set(last), cache
 
   def empty_feed(self) -> jax.Array:
     """An all-zero feed, for a step whose batch has no token in flight.
@@ -70,6 +118,22 @@ class Step:
                        f"{self.feed_width}")
     feed = self.empty_feed() if feed is None else feed
     return self._jitted(params, cache, batch, feed, all_greedy=all_greedy)
+
+  def dispatch_multi(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
+                     all_greedy: bool, feed: jax.Array | None, num_steps: int
+                     ) -> tuple[jax.Array, jax.Array, paged_cache.PagedKVCache]:
+    """Launches a multi-step decode (`batch` decode-only, `batch.num_steps` each row's
+    iterations, at most `num_steps`); returns `(samples i32[num_steps, feed_width],
+    feed i32[feed_width], cache)` at once, the feed holding each row's last sample."""
+    if not batch.decode_only:
+      raise ValueError("multi-step decoding needs a decode-only batch")
+    num_seqs = batch.context_lens.shape[0]
+    if num_seqs > self.feed_width:
+      raise ValueError(f"a batch of {num_seqs} sequences exceeds the step's feed width "
+                       f"{self.feed_width}")
+    feed = self.empty_feed() if feed is None else feed
+    return self._jitted_multi(params, cache, batch, feed, all_greedy=all_greedy,
+                              num_steps=num_steps)
 
   def __call__(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
                all_greedy: bool, feed: jax.Array | None = None

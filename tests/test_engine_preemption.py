@@ -30,15 +30,18 @@ def reference_outputs():
   return [json.loads(line)["output_ids"] for line in result.stdout.strip().splitlines()]
 
 
+@pytest.mark.parametrize("num_decode_steps", [1, 8], ids=["1-step", "8-step"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preempted_run_matches_generate(reference_outputs, mode, async_scheduling):
+def test_preempted_run_matches_generate(reference_outputs, mode, async_scheduling,
+                                        num_decode_steps):
   config = tiny.get_config()
   # 11 usable pages for four requests that grow to 15 pages; admission is told to
   # expect one output token, so it overcommits and preemption has to absorb the growth.
   config.scheduler.update(dict(preemption_mode=mode, watermark=0.0, output_estimate="fixed",
                                fixed_output_estimate=1, num_host_pages=32,
-                               async_scheduling=async_scheduling))
+                               async_scheduling=async_scheduling,
+                               num_decode_steps=num_decode_steps))
   params = llama.random_init(config.model, config.seed)
   engine = build.llama_engine(config.model, params, config.scheduler, num_pages=12,
                               page_size=16, num_host_pages=32)

@@ -59,6 +59,21 @@ def test_real_tiny_model(tmp_path):
   assert all(row["output_tokens"] == 4 for row in rows)
 
 
+def test_real_tiny_model_with_multi_step_decoding(tmp_path):
+  result = serve(tmp_path, "--num_requests=6", "--arrival_rate=inf", "--prompt_len=uniform:4:30",
+                 "--output_len=9", "--num_decode_steps=4", "--max_num_seqs=8")
+  assert result.returncode == 0, result.stderr
+  summary = check_summary(tmp_path)
+  assert summary["num_finished"] == summary["num_admitted"] == 6
+  assert summary["premises"]["policies"]["num_decode_steps"] == 4
+  assert summary["premises"]["compiles_during_run"] == 0  # multi-step ones too
+  rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+  assert all(row["output_tokens"] == 9 for row in rows)
+  steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+  assert sum(step["generated_tokens"] for step in steps) == 6 * 9
+  assert max(step["generated_tokens"] for step in steps) > 6  # some launch ran iterations
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--executor=gpu"], "value should be one of"),
     (["--prompt_len=zipf:1"], "unknown length spec"),
@@ -67,6 +82,7 @@ def test_real_tiny_model(tmp_path):
     (["--executor=sim", "--hardware=tpu"], "unknown hardware"),
     (["--executor=sim", "--preemption_mode=evict"], "unknown scheduler.preemption_mode"),
     (["--executor=sim", "--max_num_seqs=lots"], "must be of type int"),
+    (["--executor=sim", "--num_decode_steps=0"], "num_decode_steps must be an integer >= 1"),
 ])
 def test_bad_flags_are_one_line_errors(tmp_path, flags, message):
   result = serve(tmp_path, *flags)
