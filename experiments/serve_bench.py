@@ -163,7 +163,8 @@ def format_summary(summary: dict) -> str:
       f"  policy    prefill={p['policies']['prefill_policy']} chunk={p['policies']['chunk_size']} "
       f"budget={p['policies']['max_num_batched_tokens']} "
       f"preemption={p['policies']['preemption_mode']} "
-      f"watermark={p['policies']['watermark']} max_waiting={p['policies']['max_waiting']}",
+      f"watermark={p['policies']['watermark']} max_waiting={p['policies']['max_waiting']} "
+      f"decode_steps={p['policies'].get('num_decode_steps', 1)}",
       f"  cache     {summary['pages_total']:,} pages x {p['page_size']} tokens",
       "",
       f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
