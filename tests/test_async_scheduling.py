@@ -7,6 +7,7 @@ tokens found a step late, aborts of a request whose step is in flight, the strea
 """
 
 import pytest
+from engine_utils import run_streaming
 
 from configs import tiny
 from experiments import build
@@ -28,15 +29,6 @@ def engine_for(params, async_scheduling: bool, num_pages: int = 64):
   config.scheduler.update(dict(async_scheduling=async_scheduling, watermark=0.0))
   return build.llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
                             page_size=16)
-
-
-def run_streaming(engine, prompts, sampling):
-  """Steps by hand; returns the requests and every RequestOutput, in order."""
-  requests = [engine.add_request(p, sampling)[0] for p in prompts]
-  outputs = []
-  while engine.has_unfinished():
-    outputs.extend(engine.step())
-  return requests, outputs
 
 
 def test_stop_tokens_found_a_step_late_give_the_synchronous_tokens(params):

@@ -9,6 +9,7 @@ and compilation. Preemption is covered in test_engine_preemption.py.
 """
 
 import pytest
+from engine_utils import run_streaming
 
 from configs import hardware as hardware_lib
 from configs import scheduler as scheduler_lib
@@ -47,14 +48,6 @@ def generate(engine, samplings):
   assert bm.num_free_pages == bm.num_usable_pages
   assert all(r.num_pending == 0 for r in requests)
   return requests
-
-
-def run_streaming(engine, prompts, sampling):
-  requests = [engine.add_request(p, sampling)[0] for p in prompts]
-  outputs = []
-  while engine.has_unfinished():
-    outputs.extend(engine.step())
-  return requests, outputs
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
