@@ -312,15 +312,16 @@ class Scheduler:
     """Multi-step decoding: turns an all-decode step into `num_decode_steps` iterations.
 
     Only when nothing else could use the launch: every scheduled sequence is a
-    decode, no request waits or sits swapped (a joining prefill would wait the whole
-    launch), and the step preempted and copied nothing. Each sequence runs as many
+    decode, the token budget left room (so no running request was left out), no
+    request waits or sits swapped (a joining prefill would wait the whole launch), and
+    the step preempted and copied nothing. Each sequence runs as many
     iterations as it still may generate (at most `num_decode_steps`), and its pages
     for all of them are reserved now; if they do not all fit in the free pages, the
     step stays a single iteration rather than preempt anyone for lookahead.
     """
     steps = self.config.num_decode_steps
-    if (steps == 1 or not out.scheduled or self.waiting or self.swapped or out.preempted
-        or out.swap_in or out.swap_out
+    if (steps == 1 or not out.scheduled or self._budget <= 0 or self.waiting or self.swapped
+        or out.preempted or out.swap_in or out.swap_out
         or any(seq.is_prefill or not seq.samples for seq in out.scheduled)):
       return
     bm = self.block_manager

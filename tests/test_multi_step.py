@@ -155,6 +155,14 @@ def test_a_waiting_request_keeps_steps_single():
   assert out.num_steps == 1 and [seq.num_steps for seq in out.scheduled] == [1, 1]
 
 
+def test_a_decode_left_out_by_the_token_budget_keeps_steps_single():
+  scheduler = scheduler_for(4)
+  prefill(scheduler)
+  scheduler.config.max_num_batched_tokens = 1  # room for one of the two decodes
+  out = scheduler.schedule()
+  assert out.num_steps == 1 and [seq.num_steps for seq in out.scheduled] == [1]
+
+
 def test_simulated_multi_step_runs_every_request_to_its_length():
   config = tiny.get_config()
   config.scheduler.update(dict(num_decode_steps=8, watermark=0.0))
