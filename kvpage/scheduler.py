@@ -37,7 +37,7 @@ Pure Python: never imports jax.
 
 import collections
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ml_collections
@@ -163,8 +163,12 @@ class Scheduler:
       seq.request.num_pending += seq.samples * seq.num_steps
     return out
 
-  def update(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+  def update(self, output: SchedulerOutput,
+             sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
     """Records a step's samples: appends each token, ends requests that are done.
+
+    `sampled` maps each sampling sequence to its token, or for a multi-step decode to
+    its `num_steps` tokens in order; tokens after a stop token are void.
 
     `schedule()` already advanced every scheduled request past the step, so under async
     scheduling the next step may be scheduled (with pending tokens as placeholders)

@@ -37,6 +37,12 @@ ForwardFn = Callable[[Any, paged_cache.PagedKVCache, StepBatch],
                      tuple[jax.Array, paged_cache.PagedKVCache]]
 
 
+def _fed_tokens(batch: StepBatch, feed: jax.Array) -> jax.Array:
+  """The batch's token ids, each `-(r + 1)` replaced by row `r` of the previous launch's feed."""
+  fed = feed[jnp.maximum(-1 - batch.token_ids, 0)]
+  return jnp.where(batch.token_ids < 0, fed, batch.token_ids)
+
+
 class Step:
   """`step(params, cache, batch, all_greedy) -> (np.ndarray token ids, new cache)`."""
 
@@ -51,8 +57,7 @@ class Step:
 
   def _step(self, params, cache, batch, feed, all_greedy):
     self.num_compiles += 1  # Python side effect: runs once per trace, i.e. per compile.
-    fed = feed[jnp.maximum(-1 - batch.token_ids, 0)]
-    batch = batch._replace(token_ids=jnp.where(batch.token_ids < 0, fed, batch.token_ids))
+    batch = batch._replace(token_ids=_fed_tokens(batch, feed))
     logits, cache = self.forward(params, cache, batch)
     tokens = sampling.sample(logits, batch, all_greedy=all_greedy)
     return jnp.zeros_like(feed).at[:tokens.shape[0]].set(tokens), cache
@@ -67,8 +72,7 @@ class Step:
     `i32[num_steps, feed_width]`, and the feed for the next launch: each row's last.
     """
     self.num_compiles += 1
-    fed = feed[jnp.maximum(-1 - batch.token_ids, 0)]
-    first_tokens = jnp.where(batch.token_ids < 0, fed, batch.token_ids)
+    first_tokens = _fed_tokens(batch, feed)
     num_tokens, num_seqs = batch.token_ids.shape[0], batch.context_lens.shape[0]
     page_size = cache.page_size
     # Decode batch: token row s < num_seqs is sequence s's; rows past them are padding.
@@ -108,15 +112,18 @@ class Step:
       self._no_feed = jnp.zeros(self.feed_width, jnp.int32)
     return self._no_feed
 
-  def dispatch(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
-               all_greedy: bool, feed: jax.Array | None = None
-               ) -> tuple[jax.Array, paged_cache.PagedKVCache]:
-    """Launches the step; returns `i32[feed_width]` sampled ids (row s: sequence s) at once."""
+  def _checked_feed(self, batch: StepBatch, feed: jax.Array | None) -> jax.Array:
     num_seqs = batch.context_lens.shape[0]
     if num_seqs > self.feed_width:
       raise ValueError(f"a batch of {num_seqs} sequences exceeds the step's feed width "
                        f"{self.feed_width}")
-    feed = self.empty_feed() if feed is None else feed
+    return self.empty_feed() if feed is None else feed
+
+  def dispatch(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
+               all_greedy: bool, feed: jax.Array | None = None
+               ) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+    """Launches the step; returns `i32[feed_width]` sampled ids (row s: sequence s) at once."""
+    feed = self._checked_feed(batch, feed)
     return self._jitted(params, cache, batch, feed, all_greedy=all_greedy)
 
   def dispatch_multi(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
@@ -127,11 +134,7 @@ class Step:
     feed i32[feed_width], cache)` at once, the feed holding each row's last sample."""
     if not batch.decode_only:
       raise ValueError("multi-step decoding needs a decode-only batch")
-    num_seqs = batch.context_lens.shape[0]
-    if num_seqs > self.feed_width:
-      raise ValueError(f"a batch of {num_seqs} sequences exceeds the step's feed width "
-                       f"{self.feed_width}")
-    feed = self.empty_feed() if feed is None else feed
+    feed = self._checked_feed(batch, feed)
     return self._jitted_multi(params, cache, batch, feed, all_greedy=all_greedy,
                               num_steps=num_steps)
 
