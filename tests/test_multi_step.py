@@ -30,8 +30,9 @@ def params():
 
 
 def engine_for(params, *, num_decode_steps: int, async_scheduling: bool = True,
-               num_pages: int = 64, **scheduler):
+               num_pages: int = 64, attention_impl: str = "xla", **scheduler):
   config = tiny.get_config()
+  config.model.attention_impl = attention_impl
   config.scheduler.update(dict(async_scheduling=async_scheduling, watermark=0.0,
                                num_decode_steps=num_decode_steps, **scheduler))
   engine = build.llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
@@ -65,6 +66,14 @@ def test_multi_step_greedy_tokens_equal_single_step(params, async_scheduling):
   assert any(2 in steps for steps in multi_launches)
   assert all(max(steps) <= 4 for steps in multi_launches)
   assert len(engine.launches) < len(single_engine.launches) - 10
+
+
+def test_multi_step_over_the_reference_attention_gives_the_same_tokens(params):
+  samplings = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
+  single = generate(engine_for(params, num_decode_steps=1), samplings)
+  oracle = generate(engine_for(params, num_decode_steps=4, attention_impl="reference"),
+                    samplings)
+  assert [r.output_ids for r in oracle] == [r.output_ids for r in single]
 
 
 def test_multi_step_seeded_sampling_equals_single_step(params):
