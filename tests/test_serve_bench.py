@@ -48,29 +48,30 @@ def test_simulated_13b(tmp_path):
   assert "TTFT" in result.stdout and "a100_80gb" in result.stdout
 
 
-def test_real_tiny_model(tmp_path):
+def serve_six_tiny_requests(tmp_path, output_len: int, *flags) -> tuple[dict, list[dict]]:
+  """A real run of six requests at once; returns the summary and the step rows."""
   result = serve(tmp_path, "--num_requests=6", "--arrival_rate=inf", "--prompt_len=uniform:4:30",
-                 "--output_len=4", "--nowarmup", "--prefill_policy=none")
+                 f"--output_len={output_len}", *flags)
   assert result.returncode == 0, result.stderr
   summary = check_summary(tmp_path)
   assert summary["num_finished"] == summary["num_admitted"] == 6
-  assert summary["premises"]["policies"]["prefill_policy"] == "none"
   rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
-  assert all(row["output_tokens"] == 4 for row in rows)
+  assert all(row["output_tokens"] == output_len for row in rows)
+  steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+  assert sum(step["generated_tokens"] for step in steps) == 6 * output_len
+  return summary, steps
+
+
+def test_real_tiny_model(tmp_path):
+  summary, _ = serve_six_tiny_requests(tmp_path, 4, "--nowarmup", "--prefill_policy=none")
+  assert summary["premises"]["policies"]["prefill_policy"] == "none"
 
 
 def test_real_tiny_model_with_multi_step_decoding(tmp_path):
-  result = serve(tmp_path, "--num_requests=6", "--arrival_rate=inf", "--prompt_len=uniform:4:30",
-                 "--output_len=9", "--num_decode_steps=4", "--max_num_seqs=8")
-  assert result.returncode == 0, result.stderr
-  summary = check_summary(tmp_path)
-  assert summary["num_finished"] == summary["num_admitted"] == 6
+  summary, steps = serve_six_tiny_requests(tmp_path, 9, "--num_decode_steps=4",
+                                           "--max_num_seqs=8")
   assert summary["premises"]["policies"]["num_decode_steps"] == 4
   assert summary["premises"]["compiles_during_run"] == 0  # multi-step ones too
-  rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
-  assert all(row["output_tokens"] == 9 for row in rows)
-  steps = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
-  assert sum(step["generated_tokens"] for step in steps) == 6 * 9
   assert max(step["generated_tokens"] for step in steps) > 6  # some launch ran iterations
 
 
