@@ -332,6 +332,38 @@ def query_block_size(num_tokens: int, num_seqs: int) -> int:
   return 1 << (average.bit_length() - 1)
 
 
+def query_blocks(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens: int,
+                 block: int) -> tuple[jax.Array, jax.Array]:
+  """Cuts every sequence's new tokens into blocks of at most `block` (traceable).
+
+  Returns `schedule i32[num_blocks, 5]`, rows (seq, first token, number of real
+  tokens, position of the first token, context length), unused rows all zero, for a
+  static `num_blocks = ceil(num_tokens / block) + num_seqs`; and `token_tiles
+  i32[num_tokens]`, each token's flat index `block_index * block + row` (-1 for
+  padding tokens). The XLA blocked path and the Pallas kernel share it.
+  """
+  num_seqs = context_lens.shape[0]
+  num_blocks = -(-num_tokens // block) + num_seqs
+  query_lens = query_start_loc[1:] - query_start_loc[:-1]
+  blocks_per_seq = -(-query_lens // block)
+  block_ends = jnp.cumsum(blocks_per_seq)
+  first_block = block_ends - blocks_per_seq
+  index = jnp.arange(num_blocks, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(block_ends, index, side="right"), num_seqs - 1)
+  is_used = index < block_ends[-1]
+  offset = (index - first_block[seq]) * block  # the block's first token, in its query
+  fields = [seq, query_start_loc[seq] + offset,
+            jnp.minimum(block, query_lens[seq] - offset),
+            context_lens[seq] - query_lens[seq] + offset, context_lens[seq]]
+  schedule = jnp.stack([jnp.where(is_used, f, 0) for f in fields], axis=1).astype(jnp.int32)
+
+  seq_ids, _ = token_layout(query_start_loc, context_lens, num_tokens)
+  safe = jnp.maximum(seq_ids, 0)
+  in_query = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[safe]
+  tile = (first_block[safe] + in_query // block) * block + in_query % block
+  return schedule, jnp.where(seq_ids >= 0, tile, -1).astype(jnp.int32)
+
+
 def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
                              block_tables: jax.Array, context_lens: jax.Array,
                              query_start_loc: jax.Array, layer: int | None = None,
@@ -357,24 +389,15 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
   group = num_heads // num_kv_heads
   num_seqs = block_tables.shape[0]
   block = block_size or query_block_size(num_tokens, num_seqs)
-  num_blocks = -(-num_tokens // block) + num_seqs  # static bound on the blocks needed
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
 
-  # Which sequence each block belongs to, and which token rows it covers.
-  query_lens = query_start_loc[1:] - query_start_loc[:-1]
-  blocks_per_seq = -(-query_lens // block)
-  block_ends = jnp.cumsum(blocks_per_seq)
-  block_index = jnp.arange(num_blocks, dtype=jnp.int32)
-  block_seq = jnp.searchsorted(block_ends, block_index, side="right").astype(jnp.int32)
-  is_real = block_seq < num_seqs
-  seq = jnp.minimum(block_seq, num_seqs - 1)
-  first = query_start_loc[seq] + (block_index - (block_ends - blocks_per_seq)[seq]) * block
-  token_rows = first[:, None] + jnp.arange(block, dtype=jnp.int32)  # [num_blocks, block]
-  row_is_real = is_real[:, None] & (token_rows < query_start_loc[seq + 1][:, None])
-  # A sequence's new tokens are its last positions: token row r sits at position
-  # context_len - query_len + (r - query_start); it sees keys up to and including it.
-  limits = (context_lens[seq] - query_lens[seq] - query_start_loc[seq])[:, None] + token_rows + 1
-  limits = jnp.where(row_is_real, limits, 0)
+  schedule, token_tiles = query_blocks(query_start_loc, context_lens, num_tokens, block)
+  num_blocks = schedule.shape[0]  # static
+  seq, first_token, num_rows, first_position = (schedule[:, field] for field in range(4))
+  offsets = jnp.arange(block, dtype=jnp.int32)
+  token_rows = first_token[:, None] + offsets  # [num_blocks, block]
+  # Row r of a block sits at position first_position + r and sees keys up to it.
+  limits = jnp.where(offsets < num_rows[:, None], first_position[:, None] + offsets + 1, 0)
   limits = jnp.repeat(limits, group, axis=1)  # [num_blocks, block * group], token-major
 
   q_blocks = q[jnp.clip(token_rows, 0, num_tokens - 1)].astype(jnp.float32) * sm_scale
@@ -386,10 +409,6 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
   out = out.reshape(num_kv_heads, num_blocks * block, group, head_dim).transpose(1, 0, 2, 3)
   out = out.reshape(num_blocks * block, num_heads, head_dim)
 
-  # Back to token order: each real token's block and offset in it; padding reads zeros.
-  seq_ids, _ = token_layout(query_start_loc, context_lens, num_tokens)
-  safe = jnp.maximum(seq_ids, 0)
-  offset = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[safe]
-  slot = ((block_ends - blocks_per_seq)[safe] + offset // block) * block + offset % block
-  out = jnp.where((seq_ids >= 0)[:, None, None], out[slot], 0.0)
+  # Back to token order; padding tokens read zeros.
+  out = jnp.where((token_tiles >= 0)[:, None, None], out[jnp.maximum(token_tiles, 0)], 0.0)
   return out.astype(q.dtype)

@@ -116,34 +116,10 @@ def _ragged_pallas_call(schedule, block_tables, q_grouped, k_pages, v_pages, *, 
 
 def schedule_query_blocks(query_start_loc: jax.Array, context_lens: jax.Array,
                           num_tokens: int, block_q: int) -> tuple[jax.Array, jax.Array]:
-  """Cuts every sequence's new tokens into blocks of at most `block_q` (traceable).
-
-  Returns `schedule i32[num_blocks, NUM_SCHEDULE_FIELDS]` with rows (seq, first token,
-  number of real tokens, position of the first token, context length, 0, 0, 0) --
-  unused rows all zero -- and `token_blocks i32[num_tokens]`, each token's flat tile
-  index `block * block_q + row` (-1 for padding tokens). `num_blocks` is static.
-  """
-  num_seqs = context_lens.shape[0]
-  num_blocks = common.cdiv(num_tokens, block_q) + num_seqs
-  query_lens = query_start_loc[1:] - query_start_loc[:-1]
-  blocks_per_seq = common.cdiv(query_lens, block_q)
-  block_ends = jnp.cumsum(blocks_per_seq)
-  first_block = block_ends - blocks_per_seq
-  block = jnp.arange(num_blocks, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(block_ends, block, side="right"), num_seqs - 1)
-  is_used = block < block_ends[-1]
-  offset = (block - first_block[seq]) * block_q  # first token's offset in its query
-  fields = [seq, query_start_loc[seq] + offset,
-            jnp.minimum(block_q, query_lens[seq] - offset),
-            context_lens[seq] - query_lens[seq] + offset, context_lens[seq]]
-  schedule = jnp.stack([jnp.where(is_used, f, 0) for f in fields], axis=1).astype(jnp.int32)
-  schedule = jnp.pad(schedule, ((0, 0), (0, NUM_SCHEDULE_FIELDS - len(fields))))
-
-  seq_ids, _ = attention.token_layout(query_start_loc, context_lens, num_tokens)
-  safe = jnp.maximum(seq_ids, 0)
-  in_query = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[safe]
-  tile = (first_block[safe] + in_query // block_q) * block_q + in_query % block_q
-  return schedule, jnp.where(seq_ids >= 0, tile, -1).astype(jnp.int32)
+  """`attention.query_blocks`, its schedule rows zero-padded to `NUM_SCHEDULE_FIELDS`."""
+  schedule, token_tiles = attention.query_blocks(query_start_loc, context_lens, num_tokens,
+                                                 block_q)
+  return jnp.pad(schedule, ((0, 0), (0, NUM_SCHEDULE_FIELDS - schedule.shape[1]))), token_tiles
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q",
