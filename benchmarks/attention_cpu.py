@@ -5,7 +5,7 @@ r"""Decode attention over a paged vs a contiguous KV cache on CPU, and their fra
 Part 1 times one layer's decode attention (one new token per sequence) at batch
 1/8/32 and context 256/1024/4096: kvpage's reference `ragged_paged_attention` and its
 decode-only fast path `paged_decode_attention` (what the model runs on decode-only
-steps), both reading randomly permuted pages through block tables (the table as
+steps), both reading randomly permuted pages through page tables (the table as
 wide as the context needs, unpadded), against attention over a contiguous
 `[batch, kv_heads, max_len, head_dim]` cache of exactly the context length (the
 contiguous best case). Both jitted; median of `--repeats` calls after warm-up.
@@ -24,9 +24,12 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from benchmarks import timing
+from benchmarks import contiguous, timing
 from experiments import cli
-from kvpage import attention, capacity, contiguous, paged_cache, premises
+from kvpage.device import cache as paged_cache
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention import xla
+from kvpage.sim import capacity, premises
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
@@ -55,12 +58,12 @@ def time_decode(batch: int, context: int, model, page_size: int, repeats: int,
   v_pages = jnp.asarray(rng.standard_normal(k_pages.shape), dtype)
   lengths = jnp.full((batch,), context, jnp.int32)
   paged = jax.jit(functools.partial(
-      attention.ragged_paged_attention, block_tables=jnp.asarray(tables, jnp.int32),
+      attention.ragged_paged_attention, page_tables=jnp.asarray(tables, jnp.int32),
       context_lens=lengths, query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32)))
   k = jnp.asarray(rng.standard_normal((batch, num_kv_heads, context, head_dim)), dtype)
   v = jnp.asarray(rng.standard_normal(k.shape), dtype)
   fast = jax.jit(functools.partial(
-      attention.paged_decode_attention, block_tables=jnp.asarray(tables, jnp.int32),
+      xla.paged_decode_attention, page_tables=jnp.asarray(tables, jnp.int32),
       context_lens=lengths))
   dense = jax.jit(contiguous.decode_attention)
   calls = dict(paged=lambda: paged(q, k_pages, v_pages).block_until_ready(),
@@ -105,7 +108,7 @@ def main(argv: list[str]) -> None:
                               _MAX_LEN.value, rng)
   per_token = capacity.kv_bytes_per_token(capacity.ModelShape.from_config(model), model.dtype)
   frag = capacity.fragmentation(lengths.tolist(), max_len=_MAX_LEN.value,
-                                block_size=_PAGE_SIZE.value, kv_bytes_per_token=per_token)
+                                page_size=_PAGE_SIZE.value, kv_bytes_per_token=per_token)
   print(f"\nfragmentation: {len(lengths):,} sequences, lognormal(median {_MEDIAN_LEN.value}, "
         f"sigma {_SIGMA.value}) capped at {_MAX_LEN.value}; observed median "
         f"{int(np.median(lengths))}, mean {lengths.mean():.0f}, max {lengths.max()}")

@@ -36,8 +36,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import build, cli
-from kvpage import premises
-from kvpage.request import SamplingParams
+from kvpage.host.request import SamplingParams
+from kvpage.sim import premises
 from models import hf
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model dimensions.")

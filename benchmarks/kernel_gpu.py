@@ -8,7 +8,7 @@ One run, three parts, each printed and written to one JSON record with its premi
 
 1. **Correctness on the device.** Each kernel (`decode_attention`, `ragged_attention`,
    and the `paged_attention` entry point that dispatches between them) against
-   `kvpage.attention.ragged_paged_attention` on random ragged batches with permuted
+   `kvpage.device.attention.reference.ragged_paged_attention` on random ragged batches with permuted
    pages, partial last pages and lengths 1/3/17/513, in bf16 and fp32. The oracle
    runs in fp32 at "highest" matmul precision (XLA on GPU would otherwise use TF32).
    Pass: relative error < 1e-5 (fp32), < 2e-2 (bf16), the bars of tests/test_kernels.py.
@@ -40,8 +40,11 @@ from absl import flags
 
 from benchmarks import timing
 from experiments import cli
-from kvpage import attention, premises
-from kvpage.kernels import decode_attention, paged_attention, ragged_attention
+from kvpage.device.attention import pallas as paged_attention
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention.pallas import decode as decode_attention
+from kvpage.device.attention.pallas import ragged as ragged_attention
+from kvpage.sim import premises
 
 _OUT = flags.DEFINE_string("out", "kernel_gpu.json", "Where to write the JSON record.")
 _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls per cell (median reported).")
@@ -93,17 +96,17 @@ def random_case(seqs, num_heads, num_kv_heads, head_dim, page_size, rng):
   return dict(
       q=rng.standard_normal((num_tokens + 1, num_heads, head_dim)),
       k_pages=rng.standard_normal(shape), v_pages=rng.standard_normal(shape),
-      block_tables=tables, context_lens=np.array([c for c, _ in seqs], np.int32),
+      page_tables=tables, context_lens=np.array([c for c, _ in seqs], np.int32),
       query_start_loc=np.concatenate([[0], np.cumsum([q for _, q in seqs])]).astype(np.int32))
 
 
 def kernel_calls(interpret: bool) -> dict:
   """The kernels under test, each with the reference's calling convention."""
 
-  def decode(q, k, v, *, block_tables, context_lens, query_start_loc):
+  def decode(q, k, v, *, page_tables, context_lens, query_start_loc):
     del query_start_loc  # The decode check batches hold exactly one token per sequence.
     return decode_attention.paged_decode_attention(
-        q[:-1], k, v, block_tables=block_tables, context_lens=context_lens,
+        q[:-1], k, v, page_tables=page_tables, context_lens=context_lens,
         interpret=interpret)
 
   return {"decode_attention": ("decode", decode),
@@ -176,7 +179,7 @@ def decode_inputs(batch: int, context: int, shape: dict, dtype, seed: int) -> di
   return dict(
       q=jax.random.normal(keys[0], (batch, shape["num_heads"], head_dim), dtype),
       k_pages=random_pool(keys[1], pool, dtype), v_pages=random_pool(keys[2], pool, dtype),
-      block_tables=tables.reshape(batch, pages_per_seq),
+      page_tables=tables.reshape(batch, pages_per_seq),
       context_lens=jnp.full((batch,), context, jnp.int32))
 
 
@@ -184,7 +187,7 @@ def jax_op_call(inputs: dict, interpret: bool):
   """JAX's Triton paged-attention op (it leaves 1/sqrt(d) to the caller)."""
   from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 
-  pages_per_seq = inputs["block_tables"].shape[1]
+  pages_per_seq = inputs["page_tables"].shape[1]
   k_splits = math.gcd(pages_per_seq, 16)
   scale = 1.0 / math.sqrt(inputs["q"].shape[-1])
   fn = jax.jit(lambda q, k, v, bt, cl: jax_paged.paged_attention(
@@ -201,8 +204,8 @@ def time_cell(batch: int, context: int, shape: dict, dtype, interpret: bool,
   reference = jax.jit(attention.ragged_paged_attention)
   qsl = jnp.arange(batch + 1, dtype=jnp.int32)
   q, k, v, bt, cl = inputs.values()
-  calls = {"pallas_decode": lambda: decode(q, k, v, block_tables=bt, context_lens=cl),
-           "reference": lambda: reference(q, k, v, block_tables=bt, context_lens=cl,
+  calls = {"pallas_decode": lambda: decode(q, k, v, page_tables=bt, context_lens=cl),
+           "reference": lambda: reference(q, k, v, page_tables=bt, context_lens=cl,
                                           query_start_loc=qsl)}
   kv_bytes = 2 * batch * context * shape["num_kv_heads"] * shape["head_dim"] * jnp.dtype(
       dtype).itemsize

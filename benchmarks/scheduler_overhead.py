@@ -25,9 +25,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
-from kvpage import premises as environment
-from kvpage.request import Request, SamplingParams
-from kvpage.scheduler import Scheduler
+from kvpage.host.request import Request, SamplingParams
+from kvpage.host.scheduler import Scheduler
+from kvpage.sim import premises as environment
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/tiny.py", "Config file; its `scheduler` section holds the knobs.")
@@ -89,7 +89,7 @@ def premises(config, scheduler: Scheduler) -> dict:
       num_running=_NUM_RUNNING.value, num_waiting=_NUM_WAITING.value,
       prompt_len=_PROMPT_LEN.value, max_tokens=_MAX_TOKENS.value,
       num_steps=_NUM_STEPS.value, num_warmup=_NUM_WARMUP.value,
-      num_pages=scheduler.block_manager.num_pages, page_size=config.cache.page_size,
+      num_pages=scheduler.page_pool.num_pages, page_size=config.cache.page_size,
       scheduler={key: sched[key] for key in sorted(sched.keys())})
 
 

@@ -9,33 +9,9 @@ well-tuned kernel reaches) are used by the simulated executor; they are template
 to be re-decided from measurements, not truths.
 """
 
-import dataclasses
+from kvpage.sim.hardware import HardwareSpec
 
 _MIB = 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class HardwareSpec:
-  """One device. Units: bytes, bytes/s, FLOP/s."""
-
-  name: str
-  memory_bytes: int
-  nominal_memory_gb: float
-  hbm_bandwidth: float
-  peak_flops: float
-  source: str
-  host_link_bandwidth: float = 25e9
-  compute_efficiency: float = 0.6
-  bandwidth_efficiency: float = 0.8
-  step_overhead_s: float = 1e-3
-  efficiency_source: str = (
-      "templates: ~60% of dense tensor-core peak for large GEMMs and ~80% of peak HBM "
-      "bandwidth for streaming kernels are typical measured fractions (e.g. the "
-      "FlashAttention-2 paper reports 50-73% of A100 peak; STREAM-like copies reach 80-90% "
-      "of HBM peak); ~1 ms per step of launch and framework overhead and ~25 GB/s of "
-      "usable host<->device bandwidth (PCIe Gen4 x16, 32 GB/s peak) are likewise "
-      "templates to re-measure on the target machine."
-  )
 
 
 HARDWARE: dict[str, HardwareSpec] = {

@@ -14,14 +14,15 @@ from typing import Any
 import jax
 import ml_collections
 
-from configs.hardware import HardwareSpec
 from kvpage import batch as batch_lib
-from kvpage import capacity, paged_cache
-from kvpage.clock import VirtualClock, WallClock
-from kvpage.engine import Engine
-from kvpage.executor import JaxExecutor
-from kvpage.scheduler import Scheduler
-from kvpage.sim_executor import Roofline, SimExecutor
+from kvpage.device import cache as paged_cache
+from kvpage.device.executor import JaxExecutor
+from kvpage.host.engine import Engine
+from kvpage.host.scheduler import Scheduler
+from kvpage.sim import capacity
+from kvpage.sim.clock import VirtualClock, WallClock
+from kvpage.sim.executor import Roofline, SimExecutor
+from kvpage.sim.hardware import HardwareSpec
 from models import hf, llama
 
 
@@ -65,10 +66,10 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
 
 def sim_pool_pages(model_config: ml_collections.ConfigDict, hardware: HardwareSpec, *,
                    page_size: int, kv_dtype: str | None = None) -> int:
-  """Pages (null page included) that the device holds after the weights: `kvpage.capacity`."""
+  """Pages (null page included) that the device holds after the weights: `kvpage.sim.capacity`."""
   plan = capacity.plan(capacity.ModelShape.from_config(model_config), seq_len=page_size,
                        memory_bytes=hardware.memory_bytes, weight_dtype=model_config.dtype,
-                       kv_dtype=kv_dtype, block_size=page_size)
+                       kv_dtype=kv_dtype, page_size=page_size)
   return plan.pool_pages + 1
 
 

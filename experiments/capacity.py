@@ -20,7 +20,7 @@ from ml_collections import config_flags
 
 from configs import hardware as hardware_lib
 from experiments import cli
-from kvpage import capacity
+from kvpage.sim import capacity
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/llama_13b.py", "Model config file (`path.py` or `path.py:variant`).")
@@ -29,7 +29,9 @@ _HARDWARE = flags.DEFINE_string(
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per fully-grown request.")
 _DTYPE = flags.DEFINE_string("dtype", None, "Weight and KV dtype. Default: the config's.")
 _KV_DTYPE = flags.DEFINE_string("kv_dtype", None, "KV-cache dtype if it differs from --dtype.")
-_BLOCK_SIZE = flags.DEFINE_integer("block_size", 16, "Tokens per KV page.")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
+# The name vLLM and the PagedAttention paper use for a page; kept as an alias.
+flags.DEFINE_alias("block_size", "page_size")
 _MEMORY_GB = flags.DEFINE_float("memory_gb", None, "Override device memory (see --units).")
 _WEIGHTS_GB = flags.DEFINE_float("weights_gb", None, "Override weight bytes (see --units).")
 _RESERVE_GB = flags.DEFINE_float(
@@ -49,13 +51,13 @@ def _to_bytes(value: float | None, unit: str) -> int | None:
 
 
 def build_plans(config, hardware: hardware_lib.HardwareSpec, *, seq_len: int, dtype: str,
-                kv_dtype: str, block_size: int, unit: str, memory_gb: float | None,
+                kv_dtype: str, page_size: int, unit: str, memory_gb: float | None,
                 weights_gb: float | None, reserve_gb: float) -> dict[str, capacity.CapacityPlan]:
   """The `nominal`, `exact` and (with overrides) `given` plans, keyed by name."""
   model = capacity.ModelShape.from_config(config.model)
   reserve = _to_bytes(reserve_gb, unit)
   exact_weights = capacity.weight_bytes(model, dtype)
-  common = dict(seq_len=seq_len, weight_dtype=dtype, kv_dtype=kv_dtype, block_size=block_size,
+  common = dict(seq_len=seq_len, weight_dtype=dtype, kv_dtype=kv_dtype, page_size=page_size,
                 reserve_bytes=reserve)
   plans = {
       "nominal": capacity.plan(
@@ -84,7 +86,7 @@ def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
       "kvpage capacity report",
       f"  model        {model_name} ({first.weight_dtype} weights, {first.kv_dtype} KV cache)",
       f"  sequence     {first.seq_len:,} tokens per fully-grown request",
-      f"  block size   {first.block_size} tokens per KV page",
+      f"  page size    {first.page_size} tokens per KV page",
       f"  hardware     {hardware.name}: {hardware.source}",
       f"  units        {unit_label}; byte counts are exact",
       "  premises     nominal = marketed size read as 10^9 bytes, weights rounded to whole GB;",
@@ -106,8 +108,8 @@ def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
       ("pages in pool", lambda p: f"{p.pool_pages:,}"),
       ("tokens in pool", lambda p: f"{p.pool_tokens:,}"),
       ("pages per request", lambda p: f"{p.pages_per_request:,}"),
-      ("block-rounding waste per request", lambda p: f"{p.block_waste_tokens} tok "
-       f"({p.block_waste_fraction:.1%})"),
+      ("block-rounding waste per request", lambda p: f"{p.page_waste_tokens} tok "
+       f"({p.page_waste_fraction:.1%})"),
       ("MAX CONCURRENT REQUESTS", lambda p: f"{p.max_concurrent_requests:,}"),
   ]
   lines += [_row(label, [fn(p) for p in plans.values()]) for label, fn in rows]
@@ -123,7 +125,7 @@ def main(argv: list[str]) -> None:
   dtype = capacity.canonical_dtype(_DTYPE.value or config.model.dtype)
   kv_dtype = capacity.canonical_dtype(_KV_DTYPE.value or _DTYPE.value or config.cache.kv_dtype)
   plans = build_plans(config, hardware, seq_len=_SEQ_LEN.value, dtype=dtype,
-                      kv_dtype=kv_dtype, block_size=_BLOCK_SIZE.value, unit=_UNITS.value,
+                      kv_dtype=kv_dtype, page_size=_PAGE_SIZE.value, unit=_UNITS.value,
                       memory_gb=_MEMORY_GB.value, weights_gb=_WEIGHTS_GB.value,
                       reserve_gb=_RESERVE_GB.value)
   if _JSON.value:

@@ -16,7 +16,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import build, cli
-from kvpage.request import SamplingParams
+from kvpage.host.request import SamplingParams
 from models import hf, llama
 
 _CONFIG = config_flags.DEFINE_config_file(

@@ -21,8 +21,8 @@ from ml_collections import config_flags
 
 from configs import hardware as hardware_lib
 from experiments import build, cli, progress
-from kvpage import metrics, premises, replay, workload
-from kvpage.request import SamplingParams
+from kvpage.host.request import SamplingParams
+from kvpage.sim import metrics, premises, replay, workload
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config file.")
 _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"], "Real model or simulated GPU.")

@@ -7,13 +7,13 @@ dimension up a fixed ladder of buckets, so that steady-state serving reuses a ha
 of compiled programs instead of recompiling for every new batch size.
 
 Under async scheduling a decode's input token may still be in flight (the previous
-step sampled it on the device; `kvpage.request.PLACEHOLDER` on the host): `build`
+step sampled it on the device; `kvpage.host.request.PLACEHOLDER` on the host): `build`
 encodes it as `-(row + 1)`, the row where the previous step sampled it, and the
 jitted step reads it from that step's output without a round trip through the host.
 
 Padding is inert by construction: padding tokens write their keys and values into
 the null page (page 0), padding sequences have no tokens, context length 0 and a
-block table of null pages, and padding rows of `logits_indices` point at token 0,
+page table of null pages, and padding rows of `logits_indices` point at token 0,
 whose sampled id the host ignores.
 
 Host side: numpy only. `StepBatch` is a NamedTuple, which jax treats as a pytree.
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvpage.request import PLACEHOLDER
+from kvpage.host.request import PLACEHOLDER
 
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -42,7 +42,7 @@ class StepBatch(NamedTuple):
   slot_mapping: np.ndarray  # i32[T], page * page_size + offset; padding -> null page
   query_start_loc: np.ndarray  # i32[S + 1], cumulative new-token counts
   context_lens: np.ndarray  # i32[S], KV length including this step's tokens
-  block_tables: np.ndarray  # i32[S, M], padded with the null page
+  page_tables: np.ndarray  # i32[S, M], padded with the null page
   logits_indices: np.ndarray  # i32[S], each sequence's last token row
   temperature: np.ndarray  # f32[S], 0 = greedy
   top_k: np.ndarray  # i32[S], 0 = off
@@ -59,7 +59,8 @@ class StepBatch(NamedTuple):
 class DecodeStepBatch(StepBatch):
   """A `StepBatch` whose every sequence brings exactly one new token, token `s` being
   sequence `s`'s: models may take a decode-only attention path
-  (`kvpage.attention.paged_decode_attention`). `build` returns it when that holds."""
+  (`kvpage.device.attention.xla.paged_decode_attention`). `build` returns it when that
+  holds."""
 
   __slots__ = ()
   decode_only = True
@@ -72,7 +73,7 @@ class Buckets:
   By default every dimension follows its ladder. A server that knows its limits pins
   two of them so that the set of programs is small and known ahead of time (and can
   be compiled at start-up, `JaxExecutor.warmup`):
-    * `max_pages_per_seq`: every block table is this wide (the model's context in
+    * `max_pages_per_seq`: every page table is this wide (the model's context in
       pages). Attention loops only as far as the longest context, so width is cheap.
     * `mixed_num_seqs`: batches that are not decode-only are padded to this many
       sequences (the scheduler's `max_num_seqs`), leaving one program per token bucket.
@@ -169,7 +170,7 @@ def request_seed(request: Any) -> int:
 
 def build(scheduled: Sequence[Any], *, page_size: int, buckets: Buckets | None = None,
           feed_rows: Mapping[str, int] | None = None) -> tuple[StepBatch, BatchInfo]:
-  """Flattens scheduled sequences (`kvpage.scheduler_output.ScheduledSequence`) into a batch.
+  """Flattens scheduled sequences (`kvpage.interface.ScheduledSequence`) into a batch.
 
   `feed_rows` maps each request that sampled in the previous step to its row there;
   a placeholder token (one still in flight) must belong to such a request.
@@ -209,12 +210,12 @@ def build(scheduled: Sequence[Any], *, page_size: int, buckets: Buckets | None =
 
 
 def _fill_tables(batch: StepBatch, scheduled: Sequence[Any], table_lens: list[int]) -> None:
-  """Block tables: every sequence's page list, left-aligned, null pages after."""
+  """Page tables: every sequence's page list, left-aligned, null pages after."""
   flat = np.fromiter(itertools.chain.from_iterable(seq.page_ids for seq in scheduled),
                      np.int32, sum(table_lens))
   rows = np.repeat(np.arange(len(table_lens)), table_lens)
   row_starts = np.cumsum(table_lens) - table_lens
-  batch.block_tables[rows, np.arange(len(flat)) - row_starts[rows]] = flat
+  batch.page_tables[rows, np.arange(len(flat)) - row_starts[rows]] = flat
 
 
 def _fill_tokens(batch: StepBatch, scheduled: Sequence[Any], query_lens: list[int],
@@ -235,7 +236,7 @@ def _fill_tokens(batch: StepBatch, scheduled: Sequence[Any], query_lens: list[in
   positions = (np.arange(num_tokens, dtype=np.int32) - (ends - query_lens)[token_rows]
                + np.asarray(starts, np.int32)[token_rows])
   batch.positions[:num_tokens] = positions
-  pages = batch.block_tables[token_rows, positions // page_size]
+  pages = batch.page_tables[token_rows, positions // page_size]
   batch.slot_mapping[:num_tokens] = pages * page_size + positions % page_size
   batch.context_lens[:num_seqs] = np.asarray(starts, np.int32) + query_lens
   batch.query_start_loc[1:num_seqs + 1] = ends

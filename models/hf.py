@@ -18,7 +18,7 @@ import numpy as np
 import safetensors
 
 from configs import base
-from kvpage import paged_cache
+from kvpage.device import cache as paged_cache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 _HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}

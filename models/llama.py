@@ -9,7 +9,7 @@ The forward pass serves one ragged mixed batch (`kvpage.batch.StepBatch`): prefi
 chunks and decode tokens flattened to `[num_tokens]`. Each layer writes its new keys
 and values into the cache through the slot mapping, then attends through the block
 tables with the attention chosen by `config.attention_impl`: `xla` (the fast XLA
-paths of `kvpage.attention`: decode-only steps by sequence, mixed steps by query
+paths of `kvpage.device.attention.reference`: decode-only steps by sequence, mixed steps by query
 block), `reference` (the oracle, every step) or `pallas` (the kernels). Only the rows
 that sample (`logits_indices`) go through the LM head.
 """
@@ -21,8 +21,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from kvpage import attention, paged_cache
 from kvpage import batch as batch_lib
+from kvpage.device import cache as paged_cache
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention import xla
 from models import rope
 
 ATTENTION_IMPLS = ("xla", "reference", "pallas")
@@ -33,7 +35,7 @@ def _attention_fn(impl: str):
   if impl == "reference":
     return attention.ragged_paged_attention
   if impl == "pallas":
-    from kvpage.kernels import paged_attention as kernels  # Imported only when chosen.
+    from kvpage.device.attention import pallas as kernels  # Imported only when chosen.
 
     interpret = jax.default_backend() == "cpu"
     return lambda *args, **kwargs: kernels.ragged_paged_attention(
@@ -82,18 +84,18 @@ class Attention(nn.Module):
     if c.attention_impl == "xla" and getattr(batch, "decode_only", False):
       # Decode-only step (a static fact of the batch's type): the specialized path reads
       # this layer's pages straight out of the whole cache.
-      out = attention.paged_decode_attention(
+      out = xla.paged_decode_attention(
           q.astype(cache.dtype), cache.k_pages, cache.v_pages, layer=self.layer,
-          block_tables=batch.block_tables, context_lens=batch.context_lens)
+          page_tables=batch.page_tables, context_lens=batch.context_lens)
     elif c.attention_impl == "xla":  # mixed step: query blocks over the whole cache
-      out = attention.ragged_blocked_attention(
+      out = xla.ragged_blocked_attention(
           q.astype(cache.dtype), cache.k_pages, cache.v_pages, layer=self.layer,
-          block_tables=batch.block_tables, context_lens=batch.context_lens,
+          page_tables=batch.page_tables, context_lens=batch.context_lens,
           query_start_loc=batch.query_start_loc)
     else:
       out = _attention_fn(c.attention_impl)(
           q.astype(cache.dtype), cache.k_pages[self.layer], cache.v_pages[self.layer],
-          block_tables=batch.block_tables, context_lens=batch.context_lens,
+          page_tables=batch.page_tables, context_lens=batch.context_lens,
           query_start_loc=batch.query_start_loc)
     out = out.astype(dtype).reshape(num_tokens, c.num_heads * c.head_dim)
     return _dense(c.d_model, "o_proj", dtype)(out), cache

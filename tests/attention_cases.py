@@ -4,7 +4,7 @@ A case is a list of sequences, each `(context_len, query_len)`: the sequence's K
 history is `context_len` tokens and its last `query_len` of them are new this step.
 `make_case` scatters every sequence's history into randomly permuted pages (filled
 with numpy, independently of kvpage's own write path) and builds the flattened
-queries, block tables, lengths and query offsets, plus optional padding tokens and
+queries, page tables, lengths and query offsets, plus optional padding tokens and
 padded (empty) sequences. `dense_attention` is plain causal attention on the unpaged
 sequences, in float64.
 """
@@ -19,7 +19,7 @@ class Case:
   q: np.ndarray  # [num_tokens, num_heads, head_dim]
   k_pages: np.ndarray  # [num_kv_heads, num_pages, page_size, head_dim]
   v_pages: np.ndarray
-  block_tables: np.ndarray  # i32[num_seqs, max_pages_per_seq]
+  page_tables: np.ndarray  # i32[num_seqs, max_pages_per_seq]
   context_lens: np.ndarray  # i32[num_seqs]
   query_start_loc: np.ndarray  # i32[num_seqs + 1]
   keys: list[np.ndarray]  # per sequence, [context_len, num_kv_heads, head_dim]
@@ -27,7 +27,7 @@ class Case:
   num_real_tokens: int
 
   def kwargs(self) -> dict:
-    return dict(block_tables=self.block_tables, context_lens=self.context_lens,
+    return dict(page_tables=self.page_tables, context_lens=self.context_lens,
                 query_start_loc=self.query_start_loc)
 
 
@@ -60,7 +60,7 @@ def make_case(seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int,
   queries.append(rng.standard_normal((num_pad_tokens, num_heads, head_dim)).astype(dtype))
   query_lens = [qlen for _, qlen in seqs] + [0] * num_pad_seqs
   return Case(
-      q=np.concatenate(queries), k_pages=k_pages, v_pages=v_pages, block_tables=tables,
+      q=np.concatenate(queries), k_pages=k_pages, v_pages=v_pages, page_tables=tables,
       context_lens=np.array([ctx for ctx, _ in seqs] + [0] * num_pad_seqs, np.int32),
       query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32),
       keys=keys, values=values, num_real_tokens=int(sum(query_lens)))

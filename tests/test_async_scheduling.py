@@ -12,8 +12,8 @@ from engine_utils import run_streaming
 from configs import tiny
 from experiments import build
 from kvpage import batch as batch_lib
-from kvpage.request import PLACEHOLDER, Request, SamplingParams
-from kvpage.scheduler_output import ScheduledSequence
+from kvpage.host.request import PLACEHOLDER, Request, SamplingParams
+from kvpage.interface import ScheduledSequence
 from models import llama
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8]]
@@ -48,7 +48,7 @@ def test_stop_tokens_found_a_step_late_give_the_synchronous_tokens(params):
     mine = [o for o in outputs if o.request_id == request.request_id]
     assert [t for o in mine for t in o.new_token_ids] == request.output_ids
     assert [o.finished for o in mine] == [False] * (len(mine) - 1) + [True]
-  bm = engine.scheduler.block_manager
+  bm = engine.scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages
 
 
@@ -70,7 +70,7 @@ def test_abort_of_a_request_in_flight_drops_its_late_token(params):
   assert [t for o in mine for t in o.new_token_ids] == kept
   assert [o.finished for o in mine].count(True) == 1 and mine[-1].finish_reason == "aborted"
   assert [len(r.output_ids) for r in (requests[0], requests[2])] == [20, 20]
-  bm = engine.scheduler.block_manager
+  bm = engine.scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages
 
 

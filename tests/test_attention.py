@@ -8,7 +8,8 @@ from attention_cases import dense_attention, make_case, relative_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpage import attention
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention import xla
 
 HEAD_DIM = 16
 
@@ -95,7 +96,7 @@ def test_permuting_pages_does_not_change_the_result():
   inverse = np.argsort(permutation)
   case.k_pages = case.k_pages[:, permutation]
   case.v_pages = case.v_pages[:, permutation]
-  case.block_tables = inverse[case.block_tables].astype(np.int32)
+  case.page_tables = inverse[case.page_tables].astype(np.int32)
   np.testing.assert_allclose(run(case), before, rtol=1e-6, atol=1e-6)
 
 
@@ -108,9 +109,9 @@ def test_bad_shapes_raise_value_errors():
     attention.ragged_paged_attention(q[:, :3], k, v, **kwargs)
   with pytest.raises(ValueError, match="mismatched dtypes"):
     attention.ragged_paged_attention(q.astype(jnp.bfloat16), k, v, **kwargs)
-  with pytest.raises(ValueError, match="block table too narrow"):
-    attention.ragged_paged_attention(q, k, v, **{**kwargs, "block_tables": kwargs[
-        "block_tables"][:, :2]})
+  with pytest.raises(ValueError, match="page table too narrow"):
+    attention.ragged_paged_attention(q, k, v, **{**kwargs, "page_tables": kwargs[
+        "page_tables"][:, :2]})
   with pytest.raises(ValueError, match="head_dim"):
     attention.ragged_paged_attention(q[..., :8], k, v, **kwargs)
   with pytest.raises(ValueError, match="query_start_loc"):
@@ -121,7 +122,7 @@ def test_bad_shapes_raise_value_errors():
 # The query-block path (`ragged_blocked_attention`), the model's fast XLA path for
 # mixed steps, against the same dense oracle.
 def check_blocked(case, tolerance=1e-5, **kwargs):
-  out = np.asarray(attention.ragged_blocked_attention(
+  out = np.asarray(xla.ragged_blocked_attention(
       jnp.asarray(case.q), jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
       **case.kwargs(), **kwargs))
   expected = dense_attention(case, kwargs.get("sm_scale"), kwargs.get("soft_cap"))
@@ -152,16 +153,16 @@ def test_query_blocks_on_named_batches_scale_soft_cap_and_whole_cache(block_size
   # The same pages as layer 1 of a two-layer cache, read in place under jit.
   k, v = (jnp.stack([jnp.zeros_like(jnp.asarray(x)), jnp.asarray(x)])
           for x in (case.k_pages, case.v_pages))
-  fn = jax.jit(lambda q, k, v, tables, lens, starts: attention.ragged_blocked_attention(
-      q, k, v, layer=1, block_tables=tables, context_lens=lens, query_start_loc=starts,
+  fn = jax.jit(lambda q, k, v, tables, lens, starts: xla.ragged_blocked_attention(
+      q, k, v, layer=1, page_tables=tables, context_lens=lens, query_start_loc=starts,
       sm_scale=0.5, soft_cap=3.0, block_size=block_size))
   np.testing.assert_allclose(
-      fn(case.q, k, v, case.block_tables, case.context_lens, case.query_start_loc), out,
+      fn(case.q, k, v, case.page_tables, case.context_lens, case.query_start_loc), out,
       rtol=1e-5, atol=1e-6)
 
 
 def test_query_block_size_follows_the_average_tokens_per_sequence():
-  assert attention.query_block_size(64, 64) == 1  # decodes: one token per block
-  assert attention.query_block_size(1024, 64) == 16
-  assert attention.query_block_size(96, 16) == 4  # 6 tokens a sequence: largest power of 2
-  assert attention.query_block_size(8192, 1) == attention.MAX_QUERY_BLOCK
+  assert xla.query_block_size(64, 64) == 1  # decodes: one token per block
+  assert xla.query_block_size(1024, 64) == 16
+  assert xla.query_block_size(96, 16) == 4  # 6 tokens a sequence: largest power of 2
+  assert xla.query_block_size(8192, 1) == xla.MAX_QUERY_BLOCK

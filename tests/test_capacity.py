@@ -4,7 +4,7 @@ import pytest
 
 from configs import hardware as hardware_lib
 from configs import llama3_8b, llama_13b, tiny
-from kvpage import capacity
+from kvpage.sim import capacity
 
 LLAMA_13B = capacity.ModelShape.from_config(llama_13b.get_config().model)
 LLAMA3_8B = capacity.ModelShape.from_config(llama3_8b.get_config().model)
@@ -66,8 +66,8 @@ def test_tied_embeddings_count_once():
 
 def test_block_rounding_and_pool_tokens():
   assert capacity.pages_for_tokens(17, 16) == 2
-  assert capacity.block_waste(17, 16) == (15, 15 / 32)
-  assert capacity.block_waste(4096, 16) == (0, 0.0)
+  assert capacity.page_waste(17, 16) == (15, 15 / 32)
+  assert capacity.page_waste(4096, 16) == (0, 0.0)
   plan = capacity.plan(LLAMA_13B, seq_len=17, weight_dtype="fp16", memory_bytes=80 * 10**9,
                        weight_bytes_override=26 * 10**9)
   assert plan.pages_per_request == 2
@@ -75,7 +75,7 @@ def test_block_rounding_and_pool_tokens():
   assert plan.pool_tokens == plan.pool_pages * 16
   assert plan.max_concurrent_requests == plan.pool_pages // 2
   # Rounded to whole pages on request, exact without.
-  assert capacity.kv_bytes_per_request(LLAMA_13B, "fp16", 17, block_size=16) == 32 * 819_200
+  assert capacity.kv_bytes_per_request(LLAMA_13B, "fp16", 17, page_size=16) == 32 * 819_200
 
 
 @pytest.mark.parametrize("call,message", [
@@ -86,8 +86,8 @@ def test_block_rounding_and_pool_tokens():
     (lambda: capacity.ModelShape(**{**vars(LLAMA_13B), "num_layers": 0}), "num_layers must be"),
     (lambda: capacity.plan(LLAMA_13B, seq_len=4096, weight_dtype="fp16",
                            memory_bytes=10 * 10**9), "does not fit"),
-    (lambda: capacity.plan(LLAMA_13B, seq_len=4096, weight_dtype="fp16", block_size=0,
-                           memory_bytes=80 * 10**9), "block_size must be"),
+    (lambda: capacity.plan(LLAMA_13B, seq_len=4096, weight_dtype="fp16", page_size=0,
+                           memory_bytes=80 * 10**9), "page_size must be"),
     (lambda: hardware_lib.get_hardware("tpu"), "a100_40gb, a100_80gb, cpu"),
 ])
 def test_bad_input_names_the_problem(call, message):

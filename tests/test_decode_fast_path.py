@@ -13,18 +13,19 @@ import numpy as np
 import pytest
 from attention_cases import dense_attention, make_case, relative_error
 
-from kvpage import attention
 from kvpage import batch as batch_lib
-from kvpage.request import Request, SamplingParams
-from kvpage.scheduler_output import ScheduledSequence
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention import xla
+from kvpage.host.request import Request, SamplingParams
+from kvpage.interface import ScheduledSequence
 
 DECODE_SEQS = [(1, 1), (3, 1), (16, 1), (17, 1), (513, 1)]
 
 
 def check(case, **kwargs):
-  out = np.asarray(attention.paged_decode_attention(
+  out = np.asarray(xla.paged_decode_attention(
       jnp.asarray(case.q), jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
-      block_tables=case.block_tables, context_lens=case.context_lens, **kwargs))
+      page_tables=case.page_tables, context_lens=case.context_lens, **kwargs))
   expected = dense_attention(case, kwargs.get("sm_scale"), kwargs.get("soft_cap"))
   assert relative_error(out[:case.num_real_tokens], expected) < 1e-5
   assert not np.any(out[case.num_real_tokens:])  # padding rows are exact zeros
@@ -48,9 +49,9 @@ def test_scale_soft_cap_and_whole_cache_layer():
   # The same pages as layer 1 of a two-layer cache, read in place under jit.
   k, v = (jnp.stack([jnp.zeros_like(jnp.asarray(x)), jnp.asarray(x)])
           for x in (case.k_pages, case.v_pages))
-  fn = jax.jit(lambda q, k, v, tables, lens: attention.paged_decode_attention(
-      q, k, v, layer=1, block_tables=tables, context_lens=lens, sm_scale=0.5, soft_cap=3.0))
-  np.testing.assert_allclose(fn(case.q, k, v, case.block_tables, case.context_lens), out,
+  fn = jax.jit(lambda q, k, v, tables, lens: xla.paged_decode_attention(
+      q, k, v, layer=1, page_tables=tables, context_lens=lens, sm_scale=0.5, soft_cap=3.0))
+  np.testing.assert_allclose(fn(case.q, k, v, case.page_tables, case.context_lens), out,
                              rtol=1e-6, atol=1e-6)
 
 
@@ -58,7 +59,7 @@ def test_agrees_with_the_reference_on_a_decode_batch():
   case = make_case(DECODE_SEQS, num_heads=8, num_kv_heads=2, head_dim=16, page_size=16,
                    seed=9, num_pad_tokens=3)
   args = (jnp.asarray(case.q), jnp.asarray(case.k_pages), jnp.asarray(case.v_pages))
-  fast = attention.paged_decode_attention(*args, block_tables=case.block_tables,
+  fast = xla.paged_decode_attention(*args, page_tables=case.page_tables,
                                           context_lens=case.context_lens)
   reference = attention.ragged_paged_attention(*args, **case.kwargs())
   np.testing.assert_allclose(fast, reference, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ import pytest
 
 from configs import tiny
 from experiments import build
-from kvpage.request import SamplingParams
+from kvpage.host.request import SamplingParams
 from models import llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

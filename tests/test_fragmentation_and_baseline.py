@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 from attention_cases import dense_attention, make_case, relative_error
 
-from kvpage import capacity, contiguous
+from benchmarks import contiguous
+from kvpage.sim import capacity
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_fragmentation_counts_whole_pages_and_max_len_slabs():
-  frag = capacity.fragmentation([1, 16, 17, 100], max_len=128, block_size=16,
+  frag = capacity.fragmentation([1, 16, 17, 100], max_len=128, page_size=16,
                                 kv_bytes_per_token=10)
   assert frag.used_tokens == 134
   assert frag.paged_reserved_tokens == (1 + 1 + 2 + 7) * 16

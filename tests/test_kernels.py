@@ -3,7 +3,7 @@
 Cases come from `attention_cases` (ragged batches, permuted pages, padding tokens and
 padded sequences, lengths 1/3/17/513, partial last pages, GQA groups 1/4/8), the same
 generator the reference is tested with; each kernel is compared with
-`kvpage.attention.ragged_paged_attention` and, in fp32, with the float64 dense oracle.
+`reference.ragged_paged_attention` and, in fp32, with the float64 dense oracle.
 Head dims and head counts are small: the interpreter is slow, the logic is the same.
 A last test lowers both kernels for CUDA, which checks the Triton lowering on CPU.
 """
@@ -18,8 +18,10 @@ from attention_cases import dense_attention, make_case, relative_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpage import attention
-from kvpage.kernels import decode_attention, paged_attention, ragged_attention
+from kvpage.device.attention import pallas as paged_attention
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention.pallas import decode as decode_attention
+from kvpage.device.attention.pallas import ragged as ragged_attention
 
 HEAD_DIM = 16
 FP32_TOLERANCE = 1e-5
@@ -56,10 +58,10 @@ def run_decode(case, dtype=jnp.float32, **options):
   """The decode kernel directly; every sequence of `case` must have one new token."""
   q, k, v, kwargs = arrays(case, dtype)
   num_real = case.num_real_tokens
-  q_seqs = jnp.zeros((case.block_tables.shape[0], *q.shape[1:]), dtype).at[:num_real].set(
+  q_seqs = jnp.zeros((case.page_tables.shape[0], *q.shape[1:]), dtype).at[:num_real].set(
       q[:num_real])
   out = decode_attention.paged_decode_attention(
-      q_seqs, k, v, block_tables=kwargs["block_tables"], context_lens=kwargs["context_lens"],
+      q_seqs, k, v, page_tables=kwargs["page_tables"], context_lens=kwargs["context_lens"],
       interpret=True, **options)
   return jnp.zeros_like(q).at[:num_real].set(out[:num_real]), out[num_real:]
 
@@ -146,7 +148,7 @@ def test_permuting_pages_does_not_change_the_result(seqs):
   permutation = np.concatenate([[0], np.random.default_rng(0).permutation(
       np.arange(1, case.k_pages.shape[1]))])
   case.k_pages, case.v_pages = case.k_pages[:, permutation], case.v_pages[:, permutation]
-  case.block_tables = np.argsort(permutation)[case.block_tables].astype(np.int32)
+  case.page_tables = np.argsort(permutation)[case.page_tables].astype(np.int32)
   np.testing.assert_allclose(np.asarray(run_entry(case)), before, rtol=1e-6, atol=1e-6)
 
 
@@ -155,17 +157,17 @@ def test_one_jitted_step_serves_decode_and_mixed_batches():
   traces = []
 
   @jax.jit
-  def step(q, k, v, block_tables, context_lens, query_start_loc):
+  def step(q, k, v, page_tables, context_lens, query_start_loc):
     traces.append(1)
     return paged_attention.ragged_paged_attention(
-        q, k, v, block_tables=block_tables, context_lens=context_lens,
+        q, k, v, page_tables=page_tables, context_lens=context_lens,
         query_start_loc=query_start_loc, interpret=True)
 
   # Same shapes (6 token rows, 3 sequences, 4 table columns), different kinds of batch.
   for seqs, pads in (([(40, 1), (7, 1), (19, 1)], 3), ([(40, 3), (7, 2), (19, 1)], 0)):
     case = make_case(seqs, num_heads=8, num_kv_heads=2, head_dim=HEAD_DIM, page_size=16,
                      seed=2, num_pad_tokens=pads, extra_pages=3)
-    case.block_tables = np.pad(case.block_tables, ((0, 0), (0, 4 - case.block_tables.shape[1])))
+    case.page_tables = np.pad(case.page_tables, ((0, 0), (0, 4 - case.page_tables.shape[1])))
     q, k, v, kwargs = arrays(case)
     check_against_reference(step(q, k, v, *kwargs.values()), case)
   assert len(traces) == 1
@@ -194,11 +196,11 @@ def test_kernels_lower_to_triton_for_cuda(kernel, dtype):
   lens = jax.ShapeDtypeStruct((num_seqs,), jnp.int32)
   if kernel == "decode":
     fn = lambda q, k, v, bt, cl: decode_attention.paged_decode_attention(
-        q, k, v, block_tables=bt, context_lens=cl)
+        q, k, v, page_tables=bt, context_lens=cl)
     operands = (q, pages, pages, table, lens)
   else:
     fn = lambda q, k, v, bt, cl, qsl: ragged_attention.ragged_mixed_attention(
-        q, k, v, block_tables=bt, context_lens=cl, query_start_loc=qsl)
+        q, k, v, page_tables=bt, context_lens=cl, query_start_loc=qsl)
     operands = (q, pages, pages, table, lens, jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
   text = jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",)).as_text()
   assert len(re.findall(r"custom_call @__gpu\$xla\.gpu\.triton", text)) == 1

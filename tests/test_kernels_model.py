@@ -18,9 +18,9 @@ import numpy as np
 from configs import scheduler as scheduler_lib
 from configs import tiny
 from experiments import build
-from kvpage import attention
-from kvpage.kernels import paged_attention
-from kvpage.request import SamplingParams
+from kvpage.device.attention import pallas as paged_attention
+from kvpage.device.attention import reference as attention
+from kvpage.host.request import SamplingParams
 from models import llama
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [7, 3], [42]]

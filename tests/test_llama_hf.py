@@ -10,9 +10,9 @@ from hf_utils import hf_greedy, hf_logits, make_checkpoint
 from configs import scheduler as scheduler_lib
 from experiments import build
 from kvpage import batch as batch_lib
-from kvpage import paged_cache
-from kvpage.request import Request, SamplingParams
-from kvpage.scheduler import Scheduler
+from kvpage.device import cache as paged_cache
+from kvpage.host.request import Request, SamplingParams
+from kvpage.host.scheduler import Scheduler
 from models import hf, llama
 
 SHAPES = {
@@ -71,7 +71,7 @@ def test_greedy_generation_matches_transformers(checkpoint, chunk_size):
   for prompt, request in zip(PROMPTS, requests):
     assert request.finish_reason == "length"
     assert request.output_ids == hf_greedy(model, prompt, 32), f"prompt of {len(prompt)}"
-  assert engine.scheduler.block_manager.num_free_pages == 63  # all pages back, null excluded
+  assert engine.scheduler.page_pool.num_free_pages == 63  # all pages back, null excluded
 
 
 def test_sharded_checkpoint_and_dtype_conversion(tmp_path):

@@ -15,8 +15,9 @@ from configs import hardware as hardware_lib
 from configs import scheduler as scheduler_lib
 from configs import tiny
 from experiments import build
-from kvpage.request import Request, SamplingParams
-from kvpage.scheduler import Scheduler
+from kvpage.host import scheduler_config as policy
+from kvpage.host.request import Request, SamplingParams
+from kvpage.host.scheduler import Scheduler
 from models import llama
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8]]
@@ -45,7 +46,7 @@ def engine_for(params, *, num_decode_steps: int, async_scheduling: bool = True,
 
 def generate(engine, samplings):
   requests = engine.generate(PROMPTS, samplings)
-  bm = engine.scheduler.block_manager
+  bm = engine.scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages
   assert all(r.num_pending == 0 for r in requests)
   return requests
@@ -100,7 +101,7 @@ def test_a_stop_token_mid_launch_voids_the_rest(params, async_scheduling):
     mine = [o for o in outputs if o.request_id == request.request_id]
     assert [t for o in mine for t in o.new_token_ids] == request.output_ids
     assert [o.finished for o in mine] == [False] * (len(mine) - 1) + [True]
-  bm = engine.scheduler.block_manager
+  bm = engine.scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages
   assert all(r.num_pending == 0 for r in requests)
 
@@ -149,7 +150,7 @@ def test_lookahead_pages_that_do_not_fit_leave_the_step_single():
   long, short = prefill(scheduler)
   out = scheduler.schedule()
   assert out.num_steps == 1 and [seq.num_steps for seq in out.scheduled] == [1, 1]
-  assert not out.preempted and scheduler.block_manager.num_free_pages == 1
+  assert not out.preempted and scheduler.page_pool.num_free_pages == 1
   assert long.num_pending == short.num_pending == 1
 
 
@@ -192,9 +193,9 @@ def test_warmup_compiles_the_multi_step_programs(params):
   assert engine.executor.num_compiles == compiles
 
 
-@pytest.mark.parametrize("value", [0, scheduler_lib.MAX_DECODE_STEPS + 1, True])
+@pytest.mark.parametrize("value", [0, policy.MAX_DECODE_STEPS + 1, True])
 def test_bad_num_decode_steps_is_rejected(value):
   config = scheduler_lib.get_scheduler_config()
   config.num_decode_steps = value
   with pytest.raises(ValueError, match="num_decode_steps"):
-    scheduler_lib.check(config, max_model_len=64)
+    policy.check(config, max_model_len=64)

@@ -1,4 +1,4 @@
-"""Writes through slot_mapping and reads through block tables round-trip exactly."""
+"""Writes through slot_mapping and reads through page tables round-trip exactly."""
 
 import functools
 
@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import tiny
-from kvpage import capacity, paged_cache
+from kvpage.device import cache as paged_cache
+from kvpage.sim import capacity
 
 MODEL = tiny.get_config().model
 

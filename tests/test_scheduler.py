@@ -8,8 +8,9 @@ import pytest
 
 from configs import llama_13b, tiny
 from configs import scheduler as scheduler_config
-from kvpage.request import Request, RequestStatus, SamplingParams
-from kvpage.scheduler import Scheduler
+from kvpage.host import scheduler_config as policy
+from kvpage.host.request import Request, RequestStatus, SamplingParams
+from kvpage.host.scheduler import Scheduler
 
 
 class FakeClock:
@@ -147,7 +148,7 @@ def test_victim_is_lowest_priority_then_newest():
   for rid, priority in (("top", 0), ("low_old", 2), ("low_new", 2)):
     assert scheduler.add_request(req(rid, 3, 8, priority=priority)).admitted
   out, _ = step(scheduler)
-  assert len(out.scheduled) == 3 and scheduler.block_manager.num_free_pages == 0
+  assert len(out.scheduled) == 3 and scheduler.page_pool.num_free_pages == 0
   out, _ = step(scheduler)
   assert not out.preempted
   out, _ = step(scheduler)
@@ -209,7 +210,7 @@ def test_swap_round_trip_and_resume_before_waiting():
   assert [(p.request_id, p.mode) for p in out.preempted] == [("b", "swap")]
   assert out.swap_out == list(zip(b_pages, b.host_page_ids, strict=True))
   assert b.status is RequestStatus.SWAPPED and b.page_ids == [] and b.num_computed_tokens == 4
-  assert scheduler.block_manager.num_used_host_pages == 1
+  assert scheduler.page_pool.num_used_host_pages == 1
   b_host_pages = list(b.host_page_ids)
   while not out.swap_in:  # a decodes to its end; late may not overtake b
     assert late.status is RequestStatus.WAITING
@@ -218,7 +219,7 @@ def test_swap_round_trip_and_resume_before_waiting():
   assert [d for _, d in out.swap_in] == b.page_ids[:1]
   assert [s.request_id for s in out.scheduled] == ["b", "late"]  # b resumes first
   assert out.scheduled[0].start_position == 4 and out.scheduled[0].token_ids == [7]
-  assert "swapped_in" in b.event_kinds() and scheduler.block_manager.num_free_host_pages == 4
+  assert "swapped_in" in b.event_kinds() and scheduler.page_pool.num_free_host_pages == 4
 
 
 def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
@@ -298,7 +299,7 @@ def test_stop_token_finishes_unless_ignore_eos():
   assert finished == [runner] and runner.finish_reason == "length"
   assert runner.output_ids == [7, 7] and not scheduler.has_unfinished()
   assert runner.event_kinds() == ["queued", "admitted", "scheduled", "first_token", "finished"]
-  assert scheduler.block_manager.num_free_pages == scheduler.block_manager.num_usable_pages
+  assert scheduler.page_pool.num_free_pages == scheduler.page_pool.num_usable_pages
 
 
 @pytest.mark.parametrize("state", ["waiting", "running", "mid_prefill", "swapped"])
@@ -323,7 +324,7 @@ def test_abort_in_any_state_frees_everything(state):
   assert not scheduler.abort(target.request_id) and not scheduler.abort("never-seen")
   for other in (a, b):
     scheduler.abort(other.request_id)
-  bm = scheduler.block_manager
+  bm = scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages and bm.num_free_host_pages == 4
   assert scheduler.stats()["num_backlog_pages"] == 0 and not scheduler.has_unfinished()
 
@@ -334,7 +335,7 @@ def test_abort_between_schedule_and_update_voids_the_step():
   out = scheduler.schedule()
   scheduler.abort("a")
   assert scheduler.update(out, {"a": 7}) == []
-  assert scheduler.requests == {} and scheduler.block_manager.num_used_pages == 0
+  assert scheduler.requests == {} and scheduler.page_pool.num_used_pages == 0
 
 
 def test_update_rejects_a_missing_sample_and_a_replayed_step():
@@ -375,13 +376,13 @@ def test_every_config_carries_a_scheduler_section():
   for module in (llama_13b, tiny):
     config = module.get_config()
     assert config.scheduler.watermark == 0.15
-    scheduler_config.check(config.scheduler, config.model.max_seq_len)
+    policy.check(config.scheduler, config.model.max_seq_len)
 
 
 def test_host_modules_never_import_jax():
-  code = ("import sys; import kvpage.scheduler, kvpage.block_manager, kvpage.request, "
-          "kvpage.batch, kvpage.engine, kvpage.replay, kvpage.metrics, kvpage.workload, "
-          "kvpage.sim_executor, kvpage.capacity; "
+  code = ("import sys; import kvpage.host.scheduler, kvpage.host.pages, kvpage.host.request, "
+          "kvpage.batch, kvpage.host.engine, kvpage.sim.replay, kvpage.sim.metrics, "
+          "kvpage.sim.workload, kvpage.sim.executor, kvpage.sim.capacity; "
           "assert 'jax' not in sys.modules, 'jax imported'")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)

@@ -18,8 +18,8 @@ with a 2,048-token budget):
 import pytest
 
 from configs import scheduler as scheduler_config
-from kvpage.request import Request, RequestStatus, SamplingParams
-from kvpage.scheduler import Scheduler
+from kvpage.host.request import Request, RequestStatus, SamplingParams
+from kvpage.host.scheduler import Scheduler
 
 NUM_PAGES, PAGE_SIZE, PROMPT, OUTPUT = 100, 16, 200, 50
 
@@ -50,7 +50,7 @@ def run_to_completion(scheduler: Scheduler) -> tuple[int, int]:
   steps = peak = 0
   while scheduler.has_unfinished():
     out = scheduler.schedule()
-    peak = max(peak, scheduler.block_manager.num_used_pages)
+    peak = max(peak, scheduler.page_pool.num_used_pages)
     scheduler.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
     steps += 1
     scheduler.clock.now += 0.02
@@ -71,14 +71,14 @@ def test_toy_setting_admits_three_and_sends_429_to_seven():
 
   first = scheduler.schedule()  # all three prompts prefill together
   assert [len(s.token_ids) for s in first.scheduled] == [PROMPT] * 3
-  assert scheduler.block_manager.num_used_pages == 3 * 13
+  assert scheduler.page_pool.num_used_pages == 3 * 13
   scheduler.update(first, {s.request_id: 1 for s in first.scheduled})
   steps, peak = run_to_completion(scheduler)
   assert steps + 1 == OUTPUT and peak == 3 * 16
   for r in requests[:3]:
     assert (r.finish_reason, r.num_output_tokens, r.num_preemptions) == ("length", OUTPUT, 0)
     assert r.event_kinds() == ["queued", "admitted", "scheduled", "first_token", "finished"]
-  bm = scheduler.block_manager
+  bm = scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages == 99
   # Retrying after they finished: the queue has room again, three more get in.
   retries = [scheduler.add_request(toy_request(i)) for i in range(3, 10)]

@@ -18,9 +18,10 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from configs import scheduler as scheduler_config
-from kvpage.block_manager import NULL_PAGE
-from kvpage.request import Request, RequestStatus, SamplingParams
-from kvpage.scheduler import Scheduler, SchedulerOutput
+from kvpage.host import scheduler_config as policy
+from kvpage.host.pages import NULL_PAGE
+from kvpage.host.request import Request, RequestStatus, SamplingParams
+from kvpage.host.scheduler import Scheduler, SchedulerOutput
 
 MAX_MODEL_LEN = 64
 STOP_TOKEN = 0
@@ -30,7 +31,7 @@ class FakeExecutor:
   """Device and host KV pages as Python lists; checks reads, performs writes and copies."""
 
   def __init__(self, scheduler: Scheduler):
-    bm = scheduler.block_manager
+    bm = scheduler.page_pool
     self.page_size = bm.page_size
     self.device = [[None] * bm.page_size for _ in range(bm.num_pages)]
     self.host = [[None] * bm.page_size for _ in range(bm.num_host_pages)]
@@ -55,7 +56,7 @@ class FakeExecutor:
 
 def check_pages(scheduler: Scheduler) -> None:
   """free + owned = total, no page owned twice, ref counts >= 0, tables match requests."""
-  bm = scheduler.block_manager
+  bm = scheduler.page_pool
   for tables, free, refs, total in (
       (bm.page_tables(), bm.free_page_ids(), bm.ref_counts(), range(1, bm.num_pages)),
       (bm.host_page_tables(), bm.free_host_page_ids(), bm.host_ref_counts(),
@@ -88,7 +89,7 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
     request = seq.request
     end = seq.start_position + len(seq.token_ids)
     assert request.num_computed_tokens == end  # committed when scheduled
-    assert len(seq.page_ids) * scheduler.block_manager.page_size >= end
+    assert len(seq.page_ids) * scheduler.page_pool.page_size >= end
     # A sampling step's token is pending until update(): counted in num_tokens.
     assert (end == request.num_tokens - 1) if seq.samples else (end < request.num_tokens)
     assert request.num_pending == seq.samples  # synchronous: nothing else in flight
@@ -181,7 +182,7 @@ def run_traffic(scheduler: Scheduler, plan: list, seed: int) -> list[Request]:
 
 def check_drained(scheduler: Scheduler, admitted: list[Request], aborted: set[str]) -> None:
   """Idle: every page is back (device and host) and every request ended for a good reason."""
-  bm = scheduler.block_manager
+  bm = scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages and bm.num_free_host_pages == bm.num_host_pages
   assert scheduler.stats()["num_backlog_pages"] == 0
   mode = scheduler.config.preemption_mode
@@ -200,15 +201,15 @@ def check_drained(scheduler: Scheduler, admitted: list[Request], aborted: set[st
 
 
 @settings(max_examples=40, deadline=None)
-@given(data=st.data(), policy=st.sampled_from(scheduler_config.PREFILL_POLICIES),
-       mode=st.sampled_from(scheduler_config.PREEMPTION_MODES), plan=plans,
+@given(data=st.data(), policy=st.sampled_from(policy.PREFILL_POLICIES),
+       mode=st.sampled_from(policy.PREEMPTION_MODES), plan=plans,
        seed=st.integers(0, 2**16))
 def test_random_traffic_keeps_every_invariant(data, policy, mode, plan, seed):
   run_traffic(make_scheduler(data.draw, policy, mode), plan, seed)
 
 
-@pytest.mark.parametrize("policy", scheduler_config.PREFILL_POLICIES)
-@pytest.mark.parametrize("mode", scheduler_config.PREEMPTION_MODES)
+@pytest.mark.parametrize("policy", policy.PREFILL_POLICIES)
+@pytest.mark.parametrize("mode", policy.PREEMPTION_MODES)
 @settings(max_examples=25, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_heavy_traffic_keeps_every_invariant(policy, mode, data, seed):
@@ -217,8 +218,8 @@ def test_heavy_traffic_keeps_every_invariant(policy, mode, data, seed):
   event(f"preempted: {bool(scheduler.stats()['num_preemptions'])}")
 
 
-@pytest.mark.parametrize("mode", scheduler_config.PREEMPTION_MODES)
-@pytest.mark.parametrize("policy", scheduler_config.PREFILL_POLICIES)
+@pytest.mark.parametrize("mode", policy.PREEMPTION_MODES)
+@pytest.mark.parametrize("policy", policy.PREFILL_POLICIES)
 def test_heavy_traffic_really_preempts(policy, mode):
   """The random tests are not vacuous: this pressure preempts in every mode and policy."""
   config = scheduler_config.get_scheduler_config()

@@ -9,9 +9,9 @@ import pytest
 from configs import hardware as hardware_lib
 from configs import llama_13b, tiny
 from experiments import build
-from kvpage import capacity, metrics, replay, workload
-from kvpage.request import SamplingParams
-from kvpage.sim_executor import Roofline
+from kvpage.host.request import SamplingParams
+from kvpage.sim import capacity, metrics, replay, workload
+from kvpage.sim.executor import Roofline
 from models import llama
 
 A100 = hardware_lib.get_hardware("a100_80gb")
@@ -50,7 +50,7 @@ def assert_line_held(requests, recorder, engine):
     assert request.finish_reason == "length", (request.request_id, request.finish_reason)
     assert request.num_output_tokens == request.sampling.max_tokens
   assert max(step["kv_usage"] for step in recorder.steps) <= 1.0
-  blocks = engine.scheduler.block_manager
+  blocks = engine.scheduler.page_pool
   assert blocks.num_free_pages == blocks.num_usable_pages
 
 
@@ -73,7 +73,7 @@ def test_roofline_prefill_is_compute_bound_and_decode_bandwidth_bound():
 
 
 def test_capacity_cross_check_fully_grown_4k_requests():
-  """At most as many fully-grown 4k requests as kvpage.capacity says fit, and exactly that many.
+  """At most as many fully-grown 4k requests as kvpage.sim.capacity says fit, and exactly that many.
 
   Whole-prompt prefill with a budget that takes every prompt in one step makes the
   admitted requests decode in lockstep, so they all reach 4,096 tokens together.
@@ -86,7 +86,7 @@ def test_capacity_cross_check_fully_grown_4k_requests():
   peak = [0]
 
   def count_full(engine):
-    pages = engine.scheduler.block_manager.page_tables()
+    pages = engine.scheduler.page_pool.page_tables()
     peak[0] = max(peak[0], sum(len(p) == plan.pages_per_request for p in pages.values()))
 
   requests, recorder, _ = run(engine, trace, per_step=count_full)

@@ -11,9 +11,10 @@ from configs import scheduler as scheduler_lib
 from configs import tiny
 from experiments import build
 from kvpage import batch as batch_lib
-from kvpage import replay, sampling, workload
-from kvpage.request import Request, SamplingParams
-from kvpage.scheduler_output import ScheduledSequence
+from kvpage.device import sampling
+from kvpage.host.request import Request, SamplingParams
+from kvpage.interface import ScheduledSequence
+from kvpage.sim import replay, workload
 from models import llama
 
 MODEL = tiny.get_config().model
@@ -95,7 +96,7 @@ def test_batch_padding_points_at_the_null_page():
   request = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, seed=7))
   seq = ScheduledSequence("a", [1, 2, 3, 4, 5], 0, [3, 9], True, True, request)
   batch, info = batch_lib.build([seq], page_size=4)
-  assert batch.token_ids.shape == (8,) and batch.block_tables.shape == (1, 2)
+  assert batch.token_ids.shape == (8,) and batch.page_tables.shape == (1, 2)
   np.testing.assert_array_equal(batch.slot_mapping, [12, 13, 14, 15, 36, 0, 0, 0])
   np.testing.assert_array_equal(batch.query_start_loc, [0, 5])
   assert batch.context_lens[0] == 5 and batch.logits_indices[0] == 4 and batch.seeds[0] == 7

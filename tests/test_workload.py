@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvpage import workload
+from kvpage.sim import workload
 
 
 def trace(**overrides):

@@ -23,9 +23,9 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from kvpage.request import Request, RequestStatus, SamplingParams
-from kvpage.scheduler import Admission, Scheduler
-from kvpage.scheduler_output import SchedulerOutput
+from kvpage.host.request import Request, RequestStatus, SamplingParams
+from kvpage.host.scheduler import Admission, Scheduler
+from kvpage.interface import SchedulerOutput
 
 MAX_IDLE_STEPS = 1000  # empty steps in a row before `generate` declares a stall
 

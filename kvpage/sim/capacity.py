@@ -9,7 +9,7 @@ Grouped-query attention (GQA) shares one KV head among `num_heads / num_kv_heads
 query heads and divides that figure by the same ratio. A device holds the weights,
 a reserve for activations and workspace, and a pool of KV pages with what is left;
 a paged cache (PagedAttention, Kwon et al., SOSP'23) hands a request whole pages
-of `block_size` tokens, so a request of S tokens occupies ceil(S / block_size) pages.
+of `page_size` tokens, so a request of S tokens occupies ceil(S / page_size) pages.
 
 Pure Python: this module never imports jax, so admission control can use it.
 """
@@ -27,7 +27,7 @@ _DTYPE_ALIASES = {
     "float8_e4m3fn": "fp8",
     "float8_e5m2": "fp8",
 }
-DEFAULT_BLOCK_SIZE = 16
+DEFAULT_PAGE_SIZE = 16
 
 
 def canonical_dtype(dtype: str) -> str:
@@ -94,19 +94,19 @@ def kv_bytes_per_token(model: ModelShape, dtype: str) -> int:
   return 2 * dtype_bytes(dtype) * model.num_layers * model.num_kv_heads * model.head_dim
 
 
-def pages_for_tokens(num_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+def pages_for_tokens(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
   """Pages a sequence of `num_tokens` occupies in a paged cache (ceil division)."""
-  _check_positive("block_size", block_size)
+  _check_positive("page_size", page_size)
   if num_tokens < 0:
     raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-  return -(-num_tokens // block_size)
+  return -(-num_tokens // page_size)
 
 
 def kv_bytes_per_request(model: ModelShape, dtype: str, seq_len: int,
-                         block_size: int | None = None) -> int:
-  """KV bytes of one request of `seq_len` tokens; rounded up to whole pages if `block_size`."""
+                         page_size: int | None = None) -> int:
+  """KV bytes of one request of `seq_len` tokens; rounded up to whole pages if `page_size`."""
   _check_positive("seq_len", seq_len)
-  tokens = seq_len if block_size is None else pages_for_tokens(seq_len, block_size) * block_size
+  tokens = seq_len if page_size is None else pages_for_tokens(seq_len, page_size) * page_size
   return kv_bytes_per_token(model, dtype) * tokens
 
 
@@ -140,10 +140,10 @@ def kv_pool_pages(memory_bytes: int, weight_bytes: int, page_bytes: int,
   return free // page_bytes
 
 
-def block_waste(seq_len: int, block_size: int = DEFAULT_BLOCK_SIZE) -> tuple[int, float]:
+def page_waste(seq_len: int, page_size: int = DEFAULT_PAGE_SIZE) -> tuple[int, float]:
   """Token slots a paged cache reserves but leaves empty for one request, and their fraction."""
   _check_positive("seq_len", seq_len)
-  reserved = pages_for_tokens(seq_len, block_size) * block_size
+  reserved = pages_for_tokens(seq_len, page_size) * page_size
   return reserved - seq_len, (reserved - seq_len) / reserved
 
 
@@ -155,7 +155,7 @@ class CapacityPlan:
   weight_dtype: str
   kv_dtype: str
   seq_len: int
-  block_size: int
+  page_size: int
   memory_bytes: int
   weight_bytes: int
   reserve_bytes: int
@@ -166,38 +166,38 @@ class CapacityPlan:
   pool_tokens: int
   pages_per_request: int
   max_concurrent_requests: int
-  block_waste_tokens: int
-  block_waste_fraction: float
+  page_waste_tokens: int
+  page_waste_fraction: float
 
 
 def plan(model: ModelShape, *, seq_len: int, memory_bytes: int, weight_dtype: str,
-         kv_dtype: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+         kv_dtype: str | None = None, page_size: int = DEFAULT_PAGE_SIZE,
          weight_bytes_override: int | None = None, reserve_bytes: int = 0) -> CapacityPlan:
   """How many fully-grown requests of `seq_len` tokens a device holds at once.
 
-  The pool is carved into pages of `block_size` tokens after the weights and the
-  reserve; a request needs ceil(seq_len / block_size) pages. `weight_bytes_override`
+  The pool is carved into pages of `page_size` tokens after the weights and the
+  reserve; a request needs ceil(seq_len / page_size) pages. `weight_bytes_override`
   replaces the weight bytes computed from the model's dimensions.
   """
   _check_positive("seq_len", seq_len)
-  _check_positive("block_size", block_size)
+  _check_positive("page_size", page_size)
   kv_dtype = canonical_dtype(kv_dtype or weight_dtype)
   weights = (weight_bytes(model, weight_dtype) if weight_bytes_override is None
              else weight_bytes_override)
   per_token = kv_bytes_per_token(model, kv_dtype)
-  page_bytes = per_token * block_size
+  page_bytes = per_token * page_size
   pool_pages = kv_pool_pages(memory_bytes, weights, page_bytes, reserve_bytes)
-  pages_per_request = pages_for_tokens(seq_len, block_size)
-  waste_tokens, waste_fraction = block_waste(seq_len, block_size)
+  pages_per_request = pages_for_tokens(seq_len, page_size)
+  waste_tokens, waste_fraction = page_waste(seq_len, page_size)
   return CapacityPlan(
       model=model.name, weight_dtype=canonical_dtype(weight_dtype), kv_dtype=kv_dtype,
-      seq_len=seq_len, block_size=block_size, memory_bytes=memory_bytes, weight_bytes=weights,
+      seq_len=seq_len, page_size=page_size, memory_bytes=memory_bytes, weight_bytes=weights,
       reserve_bytes=reserve_bytes, kv_bytes_per_token=per_token,
       kv_bytes_per_request=per_token * seq_len,
       kv_pool_bytes=memory_bytes - weights - reserve_bytes, pool_pages=pool_pages,
-      pool_tokens=pool_pages * block_size, pages_per_request=pages_per_request,
+      pool_tokens=pool_pages * page_size, pages_per_request=pages_per_request,
       max_concurrent_requests=pool_pages // pages_per_request,
-      block_waste_tokens=waste_tokens, block_waste_fraction=waste_fraction,
+      page_waste_tokens=waste_tokens, page_waste_fraction=waste_fraction,
   )
 
 
@@ -211,7 +211,7 @@ class Fragmentation:
   """
 
   num_sequences: int
-  block_size: int
+  page_size: int
   max_len: int
   used_tokens: int
   paged_reserved_tokens: int
@@ -226,11 +226,11 @@ class Fragmentation:
 
 
 def fragmentation(lengths: Sequence[int], *, max_len: int,
-                  block_size: int = DEFAULT_BLOCK_SIZE,
+                  page_size: int = DEFAULT_PAGE_SIZE,
                   kv_bytes_per_token: int = 1) -> Fragmentation:
   """Reserved vs used KV memory for sequences of `lengths` under both schemes.
 
-  A paged cache reserves ceil(length / block_size) pages per sequence; a contiguous
+  A paged cache reserves ceil(length / page_size) pages per sequence; a contiguous
   cache reserves `max_len` slots per sequence, whatever its final length.
   """
   _check_positive("max_len", max_len)
@@ -241,10 +241,10 @@ def fragmentation(lengths: Sequence[int], *, max_len: int,
     if length > max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={max_len}")
   used = int(sum(lengths))
-  paged = sum(pages_for_tokens(int(n), block_size) for n in lengths) * block_size
+  paged = sum(pages_for_tokens(int(n), page_size) for n in lengths) * page_size
   contiguous = len(lengths) * max_len
   return Fragmentation(
-      num_sequences=len(lengths), block_size=block_size, max_len=max_len, used_tokens=used,
+      num_sequences=len(lengths), page_size=page_size, max_len=max_len, used_tokens=used,
       paged_reserved_tokens=paged, contiguous_reserved_tokens=contiguous,
       used_bytes=used * kv_bytes_per_token, paged_reserved_bytes=paged * kv_bytes_per_token,
       contiguous_reserved_bytes=contiguous * kv_bytes_per_token,

@@ -3,7 +3,7 @@
 An executor answers one call, `execute(output) -> {request_id: sampled token}`, for
 the sequences that sample this step (a list of tokens for a multi-step decode). The
 scheduler and engine never see what is behind it, so a simulated GPU
-(`kvpage.sim_executor`) can stand in for a real model.
+(`kvpage.sim.executor`) can stand in for a real model.
 
 `JaxExecutor` owns the params, the device cache, a host page pool for swapping, and
 the jitted step. Swap copies run before the step, swap-outs first (a step may reuse
@@ -14,7 +14,7 @@ It also splits `execute` in two for async scheduling: `submit` launches the step
 returns at once (a `Ticket`), `collect` waits for its sampled ids. The engine
 schedules and launches step N+1 before collecting step N, so the host's work hides
 behind the device's; step N+1 reads the tokens step N sampled straight from its
-device output (`kvpage.step`). Device work runs in launch order, so a page freed on
+device output (`kvpage.device.step`). Device work runs in launch order, so a page freed on
 the host while a step in flight still writes it is only reused by a later step.
 """
 
@@ -25,9 +25,9 @@ import jax
 import numpy as np
 
 from kvpage import batch as batch_lib
-from kvpage import paged_cache
-from kvpage.scheduler_output import SchedulerOutput
-from kvpage.step import ForwardFn, Step
+from kvpage.device import cache as paged_cache
+from kvpage.device.step import ForwardFn, Step
+from kvpage.interface import SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,7 @@ class JaxExecutor:
     self.host_v = np.zeros(shape, cache.dtype)
     self._gather = jax.jit(_gather_pages)
     self._scatter = jax.jit(_scatter_pages, donate_argnums=0)
-    self.num_steps = 0
+    self.num_launches = 0
     self._feed: jax.Array | None = None  # the last launched step's sampled ids (device)
     self._feed_rows: dict[str, int] = {}  # request -> its row in `_feed`
 
@@ -97,7 +97,7 @@ class JaxExecutor:
     self._feed = feed
     self._feed_rows = {request_id: row for row, (request_id, samples)
                        in enumerate(zip(info.request_ids, info.samples)) if samples}
-    self.num_steps += 1
+    self.num_launches += 1
     return Ticket(tokens, info)
 
   def collect(self, ticket: Ticket) -> dict[str, int | list[int]]:

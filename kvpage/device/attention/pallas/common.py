@@ -1,6 +1,6 @@
 """Pieces the paged-attention kernels share: the online-softmax step, tiling, lowering.
 
-Both kernels (`decode_attention`, `ragged_attention`) walk a sequence's block table a
+Both kernels (`decode_attention`, `ragged_attention`) walk a sequence's page table a
 block of pages at a time and fold each block of keys into a running softmax kept in
 fp32 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), so that one pass
 over the KV pages suffices whatever the context length. `online_softmax_step` is that
@@ -71,7 +71,7 @@ def check_tiling(page_size: int, head_dim: int, interpret: bool) -> None:
       raise ValueError(f"the GPU kernels need a power-of-two {name}, got {value}")
 
 
-def pages_per_block(page_size: int, max_pages: int, target_tokens: int) -> int:
+def pages_per_tile(page_size: int, max_pages: int, target_tokens: int) -> int:
   """Pages folded per loop step: about `target_tokens` keys, a power of two, and at
   least `MIN_DOT_DIM` keys so the score matmul is a legal `tl.dot`."""
   pages = min(max(1, target_tokens // page_size), next_power_of_2(max_pages))

@@ -19,8 +19,8 @@ jitted model step or a simulated GPU.
 import dataclasses
 from collections.abc import Sequence
 
-from kvpage.admission import Admission
-from kvpage.request import Request
+from kvpage.host.admission import Admission
+from kvpage.host.request import Request
 
 
 @dataclasses.dataclass(slots=True)

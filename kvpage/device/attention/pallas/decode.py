@@ -17,7 +17,7 @@ bandwidth. Two things decide that:
 
 Pages are head-major, `[num_kv_heads, num_pages, page_size, head_dim]` (PagedAttention,
 Kwon et al., SOSP'23, and JAX's own Pallas kernels); the BlockSpec hands each program
-its KV head's whole pool and the kernel gathers pages through the block table.
+its KV head's whole pool and the kernel gathers pages through the page table.
 Accumulation is fp32 whatever the input dtype. See `common.py` for the lowering choice.
 
 Layout of this file (DESIGN.md): kernel body, `pallas_call` wrapper, public jitted API,
@@ -31,28 +31,28 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvpage import attention
-from kvpage.kernels import common
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention.pallas import common
 
 # Keys per loop step for 2-byte dtypes (8 pages of 16, as JAX's Triton paged attention);
 # halved for fp32 so the K and V tiles still fit shared memory with 2 pipeline stages.
-TOKENS_PER_BLOCK = 128
+TOKENS_PER_TILE = 128
 
 
-def _decode_kernel(context_len_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref,
+def _decode_kernel(context_len_ref, page_tables_ref, q_ref, k_pages_ref, v_pages_ref,
                    acc_ref, max_ref, denominator_ref, *, sm_scale: float,
-                   soft_cap: float | None, pages_per_block: int, precision) -> None:
+                   soft_cap: float | None, pages_per_tile: int, precision) -> None:
   """One (sequence, KV head, context split): fold the split's pages into softmax stats."""
   # context_len_ref: i32[1]                        this sequence's KV length
-  # block_tables_ref: i32[pages_per_split]         this split's slice of the block table
+  # page_tables_ref: i32[pages_per_split]         this split's slice of the page table
   # q_ref: [group_padded, head_dim]                the GQA group's queries
   # k_pages_ref, v_pages_ref: [num_pages, page_size, head_dim]   this KV head's pool
   # acc_ref: f32[group_padded, head_dim]           unnormalised output of the split
   # max_ref, denominator_ref: f32[group_padded]    softmax max and sum of the split
   split = pl.program_id(2)
-  pages_per_split = block_tables_ref.shape[0]
+  pages_per_split = page_tables_ref.shape[0]
   _, page_size, head_dim = k_pages_ref.shape
-  block_k = pages_per_block * page_size
+  block_k = pages_per_tile * page_size
   split_start = split * pages_per_split * page_size
   context_len = context_len_ref[0]
   # Splits past the end of a short sequence run zero iterations and report max -inf.
@@ -61,7 +61,7 @@ def _decode_kernel(context_len_ref, block_tables_ref, q_ref, k_pages_ref, v_page
   key_offsets = jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
   def fold_block(block, carry):
-    pages = block_tables_ref[pl.ds(block * pages_per_block, pages_per_block)]
+    pages = page_tables_ref[pl.ds(block * pages_per_tile, pages_per_tile)]
     k = k_pages_ref[pages].reshape(block_k, head_dim)  # [block_k, head_dim]
     v = v_pages_ref[pages].reshape(block_k, head_dim)
     # The one query sits at position context_len - 1: every earlier key is visible.
@@ -77,20 +77,20 @@ def _decode_kernel(context_len_ref, block_tables_ref, q_ref, k_pages_ref, v_page
   acc_ref[...] = acc
 
 
-def _decode_pallas_call(q_grouped, k_pages, v_pages, block_tables, context_lens, *,
-                        sm_scale, soft_cap, num_splits, pages_per_block, interpret):
+def _decode_pallas_call(q_grouped, k_pages, v_pages, page_tables, context_lens, *,
+                        sm_scale, soft_cap, num_splits, pages_per_tile, interpret):
   """Runs the kernel on a `(num_seqs, num_kv_heads, num_splits)` grid; per-split stats.
 
-  `q_grouped` is `[num_kv_heads, num_seqs, group_padded, head_dim]`, `block_tables`
+  `q_grouped` is `[num_kv_heads, num_seqs, group_padded, head_dim]`, `page_tables`
   `i32[num_seqs, num_splits * pages_per_split]`. Returns `f32` acc
   `[num_seqs, num_kv_heads, num_splits, group_padded, head_dim]` and max/denominator
   `[num_seqs, num_kv_heads, num_splits, group_padded]`.
   """
   num_kv_heads, num_seqs, group_padded, head_dim = q_grouped.shape
   _, num_pages, page_size, _ = k_pages.shape
-  pages_per_split = block_tables.shape[1] // num_splits
+  pages_per_split = page_tables.shape[1] // num_splits
   kernel = functools.partial(
-      _decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap, pages_per_block=pages_per_block,
+      _decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap, pages_per_tile=pages_per_tile,
       precision=common.dot_precision(q_grouped.dtype))
   pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim),
                            lambda s, h, k: (h, 0, 0, 0))
@@ -116,7 +116,7 @@ def _decode_pallas_call(q_grouped, k_pages, v_pages, block_tables, context_lens,
       compiler_params=common.compiler_params(interpret),
       interpret=interpret,
       name="kvpage_paged_decode",
-  )(context_lens.reshape(num_seqs, 1), block_tables, q_grouped, k_pages, v_pages)
+  )(context_lens.reshape(num_seqs, 1), page_tables, q_grouped, k_pages, v_pages)
 
 
 def merge_splits(acc: jax.Array, running_max: jax.Array, denominator: jax.Array) -> jax.Array:
@@ -135,26 +135,26 @@ def merge_splits(acc: jax.Array, running_max: jax.Array, denominator: jax.Array)
 
 def decode_tiling(num_seqs: int, num_kv_heads: int, max_pages: int, page_size: int,
                   itemsize: int, num_splits: int | None,
-                  pages_per_block: int | None) -> tuple[int, int, int]:
-  """`(pages_per_block, num_splits, pages_per_split)` for a decode batch (all static)."""
-  if pages_per_block is None:
-    pages_per_block = common.pages_per_block(page_size, max_pages,
-                                             TOKENS_PER_BLOCK * 2 // max(itemsize, 2))
-  num_blocks = common.cdiv(max_pages, pages_per_block)
+                  pages_per_tile: int | None) -> tuple[int, int, int]:
+  """`(pages_per_tile, num_splits, pages_per_split)` for a decode batch (all static)."""
+  if pages_per_tile is None:
+    pages_per_tile = common.pages_per_tile(page_size, max_pages,
+                                             TOKENS_PER_TILE * 2 // max(itemsize, 2))
+  num_blocks = common.cdiv(max_pages, pages_per_tile)
   if num_splits is None:
     num_splits = common.cdiv(common.TARGET_PROGRAMS, num_seqs * num_kv_heads)
   num_splits = max(1, min(num_splits, num_blocks))
   blocks_per_split = common.cdiv(num_blocks, num_splits)
   num_splits = common.cdiv(num_blocks, blocks_per_split)  # no split left empty by rounding
-  return pages_per_block, num_splits, blocks_per_split * pages_per_block
+  return pages_per_tile, num_splits, blocks_per_split * pages_per_tile
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "num_splits",
-                                             "pages_per_block", "interpret"))
+                                             "pages_per_tile", "interpret"))
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                           block_tables: jax.Array, context_lens: jax.Array,
+                           page_tables: jax.Array, context_lens: jax.Array,
                            sm_scale: float | None = None, soft_cap: float | None = None,
-                           num_splits: int | None = None, pages_per_block: int | None = None,
+                           num_splits: int | None = None, pages_per_tile: int | None = None,
                            interpret: bool = False) -> jax.Array:
   """Attention of one new token per sequence over its paged KV history.
 
@@ -162,10 +162,10 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q: `[num_seqs, num_heads, head_dim]`, the new token of each sequence, which sits at
       position `context_lens[s] - 1` (its own key and value already in the cache).
     k_pages, v_pages: `[num_kv_heads, num_pages, page_size, head_dim]`.
-    block_tables: `i32[num_seqs, max_pages_per_seq]`, padded with the null page 0.
+    page_tables: `i32[num_seqs, max_pages_per_seq]`, padded with the null page 0.
     context_lens: `i32[num_seqs]`; a length of 0 (a padded sequence) gives zeros.
-    sm_scale, soft_cap: as in `kvpage.attention.ragged_paged_attention`.
-    num_splits, pages_per_block: tiling overrides (default: `decode_tiling`).
+    sm_scale, soft_cap: as in `kvpage.device.attention.reference.ragged_paged_attention`.
+    num_splits, pages_per_tile: tiling overrides (default: `decode_tiling`).
     interpret: run the Pallas interpreter (CPU) instead of the Triton GPU kernel.
   Returns:
     `[num_seqs, num_heads, head_dim]` in `q.dtype`.
@@ -174,29 +174,29 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   num_kv_heads, _, page_size, _ = k_pages.shape
   common.check_tiling(page_size, head_dim, interpret)
   group = num_heads // num_kv_heads
-  pages_per_block, num_splits, pages_per_split = decode_tiling(
-      num_seqs, num_kv_heads, block_tables.shape[1], page_size, q.dtype.itemsize, num_splits,
-      pages_per_block)
+  pages_per_tile, num_splits, pages_per_split = decode_tiling(
+      num_seqs, num_kv_heads, page_tables.shape[1], page_size, q.dtype.itemsize, num_splits,
+      pages_per_tile)
   # Pad the table to whole splits with the null page; the length mask hides those keys.
-  tables = jnp.pad(block_tables.astype(jnp.int32),
-                   ((0, 0), (0, num_splits * pages_per_split - block_tables.shape[1])))
+  tables = jnp.pad(page_tables.astype(jnp.int32),
+                   ((0, 0), (0, num_splits * pages_per_split - page_tables.shape[1])))
   group_padded = max(common.MIN_DOT_DIM, common.next_power_of_2(group))
   acc, running_max, denominator = _decode_pallas_call(
       common.group_queries(q, num_kv_heads, group_padded), k_pages, v_pages, tables,
       context_lens.astype(jnp.int32),
       sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
-      soft_cap=soft_cap, num_splits=num_splits, pages_per_block=pages_per_block,
+      soft_cap=soft_cap, num_splits=num_splits, pages_per_tile=pages_per_tile,
       interpret=interpret)
   out = merge_splits(acc, running_max, denominator)[:, :, :group]  # [seqs, kv, group, d]
   return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
 
 def paged_decode_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                                     block_tables: jax.Array, context_lens: jax.Array,
+                                     page_tables: jax.Array, context_lens: jax.Array,
                                      sm_scale: float | None = None,
                                      soft_cap: float | None = None) -> jax.Array:
   """The oracle: kvpage's reference ragged attention with one query row per sequence."""
   query_start_loc = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
   return attention.ragged_paged_attention(
-      q, k_pages, v_pages, block_tables=block_tables, context_lens=context_lens,
+      q, k_pages, v_pages, page_tables=page_tables, context_lens=context_lens,
       query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.request import Request, RequestStatus
+from kvpage.host.request import Request, RequestStatus
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:

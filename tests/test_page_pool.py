@@ -1,12 +1,12 @@
-"""BlockManager: the null page stays reserved, verbs come in pairs, nothing leaks."""
+"""PagePool: the null page stays reserved, verbs come in pairs, nothing leaks."""
 
 import numpy as np
 import pytest
 
-from kvpage.block_manager import NULL_PAGE, BlockManager
+from kvpage.host.pages import NULL_PAGE, PagePool
 
 
-def assert_consistent(bm: BlockManager) -> None:
+def assert_consistent(bm: PagePool) -> None:
   """free + owned = usable pages, each owned page counted once, page 0 never touched."""
   refs = bm.ref_counts()
   owned = [page for pages in bm.page_tables().values() for page in pages]
@@ -23,7 +23,7 @@ def assert_consistent(bm: BlockManager) -> None:
 
 
 def test_null_page_is_never_handed_out():
-  bm = BlockManager(num_pages=5, page_size=4)
+  bm = PagePool(num_pages=5, page_size=4)
   assert bm.num_usable_pages == 4
   pages = bm.allocate("a", 16)  # the whole pool
   assert sorted(pages) == [1, 2, 3, 4]
@@ -35,13 +35,13 @@ def test_null_page_is_never_handed_out():
 @pytest.mark.parametrize("num_tokens,num_pages", [(1, 1), (3, 1), (16, 1), (17, 2), (32, 2),
                                                   (33, 3), (513, 33)])
 def test_pages_for_rounds_up_at_page_boundaries(num_tokens, num_pages):
-  bm = BlockManager(num_pages=64, page_size=16)
+  bm = PagePool(num_pages=64, page_size=16)
   assert bm.pages_for(num_tokens) == num_pages
   assert len(bm.allocate("a", num_tokens)) == num_pages
 
 
 def test_can_allocate_boundary():
-  bm = BlockManager(num_pages=11, page_size=16)  # 10 usable pages = 160 tokens
+  bm = PagePool(num_pages=11, page_size=16)  # 10 usable pages = 160 tokens
   assert bm.can_allocate(160) and not bm.can_allocate(161)
   with pytest.raises(ValueError, match="cannot allocate 11 pages"):
     bm.allocate("a", 161)
@@ -49,30 +49,30 @@ def test_can_allocate_boundary():
 
 
 def test_append_slot_adds_a_page_only_when_crossing_a_boundary():
-  bm = BlockManager(num_pages=8, page_size=4)
+  bm = PagePool(num_pages=8, page_size=4)
   table = bm.allocate("a", 3)
   assert len(table) == 1
-  assert bm.append_slot("a", 4) == []  # position 3 still fits page 0 of the table
-  new = bm.append_slot("a", 5)  # position 4 starts a second page
+  assert bm.grow_to("a", 4) == []  # position 3 still fits page 0 of the table
+  new = bm.grow_to("a", 5)  # position 4 starts a second page
   assert len(new) == 1 and table == bm.page_table("a") and len(table) == 2
-  assert bm.num_missing_pages("a", 13) == 2 and bm.can_append("a", 13)
-  assert bm.append_slot("a", 13) == table[2:]
+  assert bm.num_missing_pages("a", 13) == 2 and bm.can_grow_to("a", 13)
+  assert bm.grow_to("a", 13) == table[2:]
   assert_consistent(bm)
 
 
 def test_can_append_boundary_and_refusal():
-  bm = BlockManager(num_pages=4, page_size=4)  # 3 usable pages
+  bm = PagePool(num_pages=4, page_size=4)  # 3 usable pages
   bm.allocate("a", 4)
   bm.allocate("b", 4)
-  assert bm.can_append("a", 8) and not bm.can_append("a", 9)
+  assert bm.can_grow_to("a", 8) and not bm.can_grow_to("a", 9)
   with pytest.raises(ValueError, match="cannot append 2 pages"):
-    bm.append_slot("a", 9)
+    bm.grow_to("a", 9)
   assert len(bm.page_table("a")) == 1  # unchanged
   assert_consistent(bm)
 
 
 def test_free_returns_every_page_and_ref_counts_drop_to_zero():
-  bm = BlockManager(num_pages=10, page_size=2, num_host_pages=4)
+  bm = PagePool(num_pages=10, page_size=2, num_host_pages=4)
   bm.allocate("a", 5)
   bm.allocate("b", 2)
   assert bm.ref_counts().sum() == 4
@@ -83,14 +83,14 @@ def test_free_returns_every_page_and_ref_counts_drop_to_zero():
 
 
 def test_double_allocate_is_an_error():
-  bm = BlockManager(num_pages=10, page_size=2)
+  bm = PagePool(num_pages=10, page_size=2)
   bm.allocate("a", 2)
   with pytest.raises(ValueError, match="already holds pages"):
     bm.allocate("a", 2)
 
 
 def test_swap_round_trip_moves_pages_and_returns_copies():
-  bm = BlockManager(num_pages=6, page_size=4, num_host_pages=3)
+  bm = PagePool(num_pages=6, page_size=4, num_host_pages=3)
   device = list(bm.allocate("a", 12))
   assert bm.can_swap_out("a")
   copies_out = bm.swap_out("a")
@@ -109,7 +109,7 @@ def test_swap_round_trip_moves_pages_and_returns_copies():
 
 
 def test_swap_out_refused_when_host_pool_is_too_small():
-  bm = BlockManager(num_pages=6, page_size=4, num_host_pages=2)
+  bm = PagePool(num_pages=6, page_size=4, num_host_pages=2)
   bm.allocate("a", 12)
   assert not bm.can_swap_out("a")
   with pytest.raises(ValueError, match="host pool too small"):
@@ -118,7 +118,7 @@ def test_swap_out_refused_when_host_pool_is_too_small():
 
 
 def test_free_drops_host_pages_of_a_swapped_request():
-  bm = BlockManager(num_pages=6, page_size=4, num_host_pages=4)
+  bm = PagePool(num_pages=6, page_size=4, num_host_pages=4)
   bm.allocate("a", 8)
   bm.swap_out("a")
   assert bm.free("a") == 0  # no device pages; the host pages go back to the host pool
@@ -133,4 +133,4 @@ def test_free_drops_host_pages_of_a_swapped_request():
 ])
 def test_bad_sizes_are_rejected(kwargs, message):
   with pytest.raises(ValueError, match=message):
-    BlockManager(**kwargs)
+    PagePool(**kwargs)

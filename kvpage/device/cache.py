@@ -11,7 +11,7 @@ interchangeable. Page 0 is the **null page**: padding tokens write there and pad
 block-table entries point there; the host block manager never hands it out.
 
 A token's slot is `page * page_size + offset`. Writes go through a `slot_mapping`
-(one slot per new token); reads go through block tables (see `kvpage.attention`).
+(one slot per new token); reads go through page tables (see `kvpage.device.attention.reference`).
 Every function here is pure and jit-friendly: pass the cache as a donated argument
 and XLA updates the pool in place.
 """
@@ -23,7 +23,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from kvpage import capacity
+from kvpage.sim import capacity
 
 NULL_PAGE = 0
 
@@ -115,7 +115,7 @@ def num_pages_for_budget(model_config: Mapping[str, Any] | Any, *, memory_bytes:
 
 def init_from_budget(model_config: Mapping[str, Any] | Any, *, memory_bytes: int,
                      page_size: int, dtype: Any = None) -> PagedKVCache:
-  """A cache sized to a memory budget (e.g. `kvpage.capacity.plan(...).kv_pool_bytes`)."""
+  """A cache sized to a memory budget (e.g. `kvpage.sim.capacity.plan(...).kv_pool_bytes`)."""
   num_pages = num_pages_for_budget(model_config, memory_bytes=memory_bytes,
                                    page_size=page_size, dtype=dtype)
   return init(model_config, num_pages=num_pages, page_size=page_size, dtype=dtype)
@@ -141,11 +141,11 @@ def write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
                        v_pages=v_flat.reshape(cache.v_pages.shape))
 
 
-def read_sequence(cache: PagedKVCache, layer: int, block_table: jax.Array,
+def read_sequence(cache: PagedKVCache, layer: int, page_table: jax.Array,
                   length: int) -> tuple[jax.Array, jax.Array]:
   """A sequence's keys and values, `[length, num_kv_heads, head_dim]` each (for tests)."""
   positions = jnp.arange(length)
-  pages = block_table[positions // cache.page_size]
+  pages = page_table[positions // cache.page_size]
   offsets = positions % cache.page_size
   k = cache.k_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
   v = cache.v_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)

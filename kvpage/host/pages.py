@@ -2,16 +2,16 @@
 
 The device cache is one pool of `num_pages` fixed-size pages of `page_size` tokens
 (PagedAttention, Kwon et al., SOSP'23). A request holds a list of page ids in
-position order — its block table — and grows it one page at a time as it decodes,
+position order — its page table — and grows it one page at a time as it decodes,
 so no request preallocates its maximum length. Page 0 is the **null page**: padded
 tokens write there and padded block-table entries point there, so it is never
 handed out; `num_usable_pages = num_pages - 1`.
 
 Each page carries a reference count. Today every owned page has exactly one owner;
 counting references instead of flagging ownership is what lets a later
-prefix-sharing feature map one page into several block tables without changing
+prefix-sharing feature map one page into several page tables without changing
 the verbs. The verbs come in pairs — `can_allocate`/`allocate`,
-`can_append`/`append_slot`, `can_swap_out`/`swap_out`, `can_swap_in`/`swap_in` —
+`can_grow_to`/`grow_to`, `can_swap_out`/`swap_out`, `can_swap_in`/`swap_in` —
 so the scheduler asks before it commits and the commit never fails halfway.
 
 A host swap pool of `num_host_pages` pages receives the pages of requests
@@ -28,7 +28,7 @@ import numpy as np
 NULL_PAGE = 0
 
 
-class BlockManager:
+class PagePool:
   """Free list, per-request page tables and ref counts for device and host pages."""
 
   def __init__(self, num_pages: int, page_size: int, num_host_pages: int = 0):
@@ -102,7 +102,7 @@ class BlockManager:
   def allocate(self, request_id: str, num_tokens: int) -> list[int]:
     """Gives a request without pages enough pages for `num_tokens`; returns its table."""
     if self._tables.get(request_id):
-      raise ValueError(f"request {request_id!r} already holds pages; use append_slot")
+      raise ValueError(f"request {request_id!r} already holds pages; use grow_to")
     if not self.can_allocate(num_tokens):
       raise ValueError(f"cannot allocate {self.pages_for(num_tokens)} pages for "
                        f"{request_id!r}: only {len(self._free)} free")
@@ -114,11 +114,11 @@ class BlockManager:
     """Pages a request lacks to hold `num_tokens` tokens in total (0 if it has enough)."""
     return max(0, self.pages_for(num_tokens) - len(self._tables.get(request_id, ())))
 
-  def can_append(self, request_id: str, num_tokens: int) -> bool:
+  def can_grow_to(self, request_id: str, num_tokens: int) -> bool:
     """Whether the request's table can grow to hold `num_tokens` tokens in total."""
     return self.num_missing_pages(request_id, num_tokens) <= len(self._free)
 
-  def append_slot(self, request_id: str, num_tokens: int = 1) -> list[int]:
+  def grow_to(self, request_id: str, num_tokens: int = 1) -> list[int]:
     """Grows the request's table to hold `num_tokens` tokens in total; returns new pages.
 
     A decode step asks for `num_computed_tokens + 1`: a new page only when the token

@@ -1,6 +1,6 @@
 """The kernel path's entry point: `ragged_paged_attention`, the reference's signature.
 
-`kvpage.attention.ragged_paged_attention` is the oracle; this function has the same
+`kvpage.device.attention.reference.ragged_paged_attention` is the oracle; this function has the same
 contract plus `interpret=` and is what the jitted step calls when the model config
 says `attention_impl = "pallas"`. It picks one of two Pallas kernels:
 
@@ -19,11 +19,12 @@ padding rows stay zero, as in the reference.
 import jax
 import jax.numpy as jnp
 
-from kvpage import attention
-from kvpage.kernels import decode_attention, ragged_attention
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention.pallas import decode as decode_attention
+from kvpage.device.attention.pallas import ragged as ragged_attention
 
 
-def _decode_rows(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *,
+def _decode_rows(q, k_pages, v_pages, page_tables, context_lens, query_start_loc, *,
                  sm_scale, soft_cap, interpret):
   """Runs the decode kernel on the one new row of each sequence, in place in `q`'s rows."""
   num_tokens = q.shape[0]
@@ -31,22 +32,22 @@ def _decode_rows(q, k_pages, v_pages, block_tables, context_lens, query_start_lo
   has_token = query_start_loc[1:] - starts == 1
   rows = jnp.where(has_token, starts, num_tokens)  # num_tokens: dropped by the scatter
   out = decode_attention.paged_decode_attention(
-      q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, block_tables=block_tables,
+      q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, page_tables=page_tables,
       context_lens=jnp.where(has_token, context_lens, 0), sm_scale=sm_scale,
       soft_cap=soft_cap, interpret=interpret)
   return jnp.zeros_like(q).at[rows].set(out, mode="drop")
 
 
-def _mixed(q, k_pages, v_pages, block_tables, context_lens, query_start_loc, *, sm_scale,
+def _mixed(q, k_pages, v_pages, page_tables, context_lens, query_start_loc, *, sm_scale,
            soft_cap, interpret):
   return ragged_attention.ragged_mixed_attention(
-      q, k_pages, v_pages, block_tables=block_tables, context_lens=context_lens,
+      q, k_pages, v_pages, page_tables=page_tables, context_lens=context_lens,
       query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap,
       interpret=interpret)
 
 
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                           block_tables: jax.Array, context_lens: jax.Array,
+                           page_tables: jax.Array, context_lens: jax.Array,
                            query_start_loc: jax.Array, sm_scale: float | None = None,
                            soft_cap: float | None = None, interpret: bool = False) -> jax.Array:
   """Causal attention of a ragged batch of new tokens over a paged KV cache, in Pallas.
@@ -55,7 +56,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     q: `[num_tokens, num_heads, head_dim]`; rows past `query_start_loc[-1]` are padding
       and come out as zeros.
     k_pages, v_pages: `[num_kv_heads, num_pages, page_size, head_dim]`.
-    block_tables: `i32[num_seqs, max_pages_per_seq]`, padded with the null page 0.
+    page_tables: `i32[num_seqs, max_pages_per_seq]`, padded with the null page 0.
     context_lens: `i32[num_seqs]`, KV length of each sequence including its new tokens.
     query_start_loc: `i32[num_seqs + 1]`, cumulative new-token counts from 0.
     sm_scale: score scale; defaults to `1 / sqrt(head_dim)`.
@@ -64,10 +65,10 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   """
-  attention.validate(q, k_pages, v_pages, block_tables, context_lens, query_start_loc)
+  attention.validate(q, k_pages, v_pages, page_tables, context_lens, query_start_loc)
   if q.shape[0] == 0:
     return q
-  operands = (q, k_pages, v_pages, jnp.asarray(block_tables, jnp.int32),
+  operands = (q, k_pages, v_pages, jnp.asarray(page_tables, jnp.int32),
               jnp.asarray(context_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32))
   options = dict(sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret)
   query_lens = operands[5][1:] - operands[5][:-1]
@@ -80,5 +81,5 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       lambda *args: _mixed(*args, **options), *operands)
 
 
-# The oracle both kernels are tested against: `kvpage.attention`, unchanged.
+# The oracle both kernels are tested against: `kvpage.device.attention.reference`, unchanged.
 ragged_paged_attention_reference = ragged_attention.ragged_mixed_attention_reference

@@ -11,9 +11,9 @@ import collections
 import time
 from collections.abc import Callable, Sequence
 
-from kvpage.engine import MAX_IDLE_STEPS, Engine
-from kvpage.request import Request, SamplingParams
-from kvpage.workload import TraceRequest
+from kvpage.host.engine import MAX_IDLE_STEPS, Engine
+from kvpage.host.request import Request, SamplingParams
+from kvpage.sim.workload import TraceRequest
 
 
 def replay(engine: Engine, trace: Sequence[TraceRequest], *,

@@ -22,10 +22,10 @@ per sequence, every weight and KV byte re-read) bandwidth-bound, as in the missi
 
 import dataclasses
 
-from configs.hardware import HardwareSpec
-from kvpage import capacity
-from kvpage.clock import VirtualClock
-from kvpage.scheduler_output import SchedulerOutput
+from kvpage.interface import SchedulerOutput
+from kvpage.sim import capacity
+from kvpage.sim.clock import VirtualClock
+from kvpage.sim.hardware import HardwareSpec
 
 DUMMY_TOKEN = 1
 

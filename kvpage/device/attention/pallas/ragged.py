@@ -32,20 +32,21 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvpage import attention
-from kvpage.kernels import common
+from kvpage.device.attention import reference as attention
+from kvpage.device.attention import xla
+from kvpage.device.attention.pallas import common
 
-TOKENS_PER_BLOCK = 64  # keys per loop step for 2-byte dtypes (halved for fp32)
+TOKENS_PER_TILE = 64  # keys per loop step for 2-byte dtypes (halved for fp32)
 QUERY_ROWS = 64  # target rows (tokens x group) of a query tile
 NUM_SCHEDULE_FIELDS = 8  # seq, token_start, num_rows, first_position, context_len, 0, 0, 0
 
 
-def _ragged_kernel(schedule_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, *,
-                   sm_scale: float, soft_cap: float | None, pages_per_block: int,
+def _ragged_kernel(schedule_ref, page_tables_ref, q_ref, k_pages_ref, v_pages_ref, o_ref, *,
+                   sm_scale: float, soft_cap: float | None, pages_per_tile: int,
                    precision) -> None:
   """One (query block, KV head): causal attention of the block's tokens to its sequence."""
   # schedule_ref: i32[NUM_SCHEDULE_FIELDS]          this block's entry (see schedule_...)
-  # block_tables_ref: i32[num_seqs, max_pages_padded]
+  # page_tables_ref: i32[num_seqs, max_pages_padded]
   # q_ref: [num_tokens_padded, group_padded, head_dim]          this KV head's queries
   # k_pages_ref, v_pages_ref: [num_pages, page_size, head_dim]  this KV head's pool
   # o_ref: [block_q, group_padded, head_dim]        this block's output tile
@@ -53,7 +54,7 @@ def _ragged_kernel(schedule_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_r
   first_position, context_len = schedule_ref[3], schedule_ref[4]
   block_q, group, head_dim = o_ref.shape
   _, page_size, _ = k_pages_ref.shape
-  block_k = pages_per_block * page_size
+  block_k = pages_per_tile * page_size
   rows = block_q * group
   q = q_ref[pl.ds(token_start, block_q)].reshape(rows, head_dim)
   # Row r is token r // group of the block; its position in the sequence:
@@ -62,7 +63,7 @@ def _ragged_kernel(schedule_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_r
   key_offsets = jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
   def fold_block(block, carry):
-    pages = block_tables_ref[seq, pl.ds(block * pages_per_block, pages_per_block)]
+    pages = page_tables_ref[seq, pl.ds(block * pages_per_tile, pages_per_tile)]
     k = k_pages_ref[pages].reshape(block_k, head_dim)  # [block_k, head_dim]
     v = v_pages_ref[pages].reshape(block_k, head_dim)
     key_positions = block * block_k + key_offsets
@@ -79,8 +80,8 @@ def _ragged_kernel(schedule_ref, block_tables_ref, q_ref, k_pages_ref, v_pages_r
   o_ref[...] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
 
 
-def _ragged_pallas_call(schedule, block_tables, q_grouped, k_pages, v_pages, *, block_q,
-                        sm_scale, soft_cap, pages_per_block, interpret):
+def _ragged_pallas_call(schedule, page_tables, q_grouped, k_pages, v_pages, *, block_q,
+                        sm_scale, soft_cap, pages_per_tile, interpret):
   """Runs the kernel on a `(num_query_blocks, num_kv_heads)` grid.
 
   `q_grouped` is `[num_kv_heads, num_tokens + block_q, group_padded, head_dim]` (padded
@@ -91,7 +92,7 @@ def _ragged_pallas_call(schedule, block_tables, q_grouped, k_pages, v_pages, *, 
   _, num_pages, page_size, _ = k_pages.shape
   num_blocks = schedule.shape[0]
   kernel = functools.partial(
-      _ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap, pages_per_block=pages_per_block,
+      _ragged_kernel, sm_scale=sm_scale, soft_cap=soft_cap, pages_per_tile=pages_per_tile,
       precision=common.dot_precision(q_grouped.dtype))
   pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h: (h, 0, 0, 0))
   return pl.pallas_call(
@@ -99,7 +100,7 @@ def _ragged_pallas_call(schedule, block_tables, q_grouped, k_pages, v_pages, *, 
       grid=(num_blocks, num_kv_heads),
       in_specs=[
           pl.BlockSpec((None, NUM_SCHEDULE_FIELDS), lambda b, h: (b, 0)),
-          pl.BlockSpec(block_tables.shape, lambda b, h: (0, 0)),
+          pl.BlockSpec(page_tables.shape, lambda b, h: (0, 0)),
           pl.BlockSpec((None, num_rows_padded, group_padded, head_dim),
                        lambda b, h: (h, 0, 0, 0)),
           pool_spec, pool_spec,
@@ -111,30 +112,31 @@ def _ragged_pallas_call(schedule, block_tables, q_grouped, k_pages, v_pages, *, 
       compiler_params=common.compiler_params(interpret),
       interpret=interpret,
       name="kvpage_ragged_paged_attention",
-  )(schedule, block_tables, q_grouped, k_pages, v_pages)
+  )(schedule, page_tables, q_grouped, k_pages, v_pages)
 
 
 def schedule_query_blocks(query_start_loc: jax.Array, context_lens: jax.Array,
                           num_tokens: int, block_q: int) -> tuple[jax.Array, jax.Array]:
-  """`attention.query_blocks`, its schedule rows zero-padded to `NUM_SCHEDULE_FIELDS`."""
-  schedule, token_tiles = attention.query_blocks(query_start_loc, context_lens, num_tokens,
+  """`xla.query_blocks`, its schedule rows zero-padded to `NUM_SCHEDULE_FIELDS`."""
+  schedule, token_tiles = xla.query_blocks(query_start_loc, context_lens, num_tokens,
                                                  block_q)
   return jnp.pad(schedule, ((0, 0), (0, NUM_SCHEDULE_FIELDS - schedule.shape[1]))), token_tiles
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q",
-                                             "pages_per_block", "interpret"))
+                                             "pages_per_tile", "interpret"))
 def ragged_mixed_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                           block_tables: jax.Array, context_lens: jax.Array,
+                           page_tables: jax.Array, context_lens: jax.Array,
                            query_start_loc: jax.Array, sm_scale: float | None = None,
                            soft_cap: float | None = None, block_q: int | None = None,
-                           pages_per_block: int | None = None,
+                           pages_per_tile: int | None = None,
                            interpret: bool = False) -> jax.Array:
   """Causal attention of a ragged mixed batch over a paged KV cache (one layer).
 
-  Same contract as `kvpage.attention.ragged_paged_attention` (q `[num_tokens, num_heads,
-  head_dim]`, pages `[num_kv_heads, num_pages, page_size, head_dim]`, padding rows
-  past `query_start_loc[-1]` give zeros), plus tiling overrides and `interpret`.
+  Same contract as `kvpage.device.attention.reference.ragged_paged_attention` (q
+  `[num_tokens, num_heads, head_dim]`, pages `[num_kv_heads, num_pages, page_size,
+  head_dim]`, padding rows past `query_start_loc[-1]` give zeros), plus tiling
+  overrides and `interpret`.
   """
   num_tokens, num_heads, head_dim = q.shape
   num_kv_heads, _, page_size, _ = k_pages.shape
@@ -143,12 +145,12 @@ def ragged_mixed_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   group_padded = common.next_power_of_2(group)
   if block_q is None:  # a power of two, and >= 16 rows for Triton's tl.dot
     block_q = max(1, QUERY_ROWS // group_padded, common.MIN_DOT_DIM // group_padded)
-  if pages_per_block is None:
-    pages_per_block = common.pages_per_block(page_size, block_tables.shape[1],
-                                             TOKENS_PER_BLOCK * 2 // max(q.dtype.itemsize, 2))
-  max_pages = common.cdiv(block_tables.shape[1], pages_per_block) * pages_per_block
-  tables = jnp.pad(block_tables.astype(jnp.int32),
-                   ((0, 0), (0, max_pages - block_tables.shape[1])))
+  if pages_per_tile is None:
+    pages_per_tile = common.pages_per_tile(page_size, page_tables.shape[1],
+                                             TOKENS_PER_TILE * 2 // max(q.dtype.itemsize, 2))
+  max_pages = common.cdiv(page_tables.shape[1], pages_per_tile) * pages_per_tile
+  tables = jnp.pad(page_tables.astype(jnp.int32),
+                   ((0, 0), (0, max_pages - page_tables.shape[1])))
   schedule, token_tiles = schedule_query_blocks(
       query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32), num_tokens, block_q)
   q_grouped = jnp.pad(common.group_queries(q, num_kv_heads, group_padded),
@@ -156,7 +158,7 @@ def ragged_mixed_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   tiles = _ragged_pallas_call(
       schedule, tables, q_grouped, k_pages, v_pages, block_q=block_q,
       sm_scale=1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale,
-      soft_cap=soft_cap, pages_per_block=pages_per_block, interpret=interpret)
+      soft_cap=soft_cap, pages_per_tile=pages_per_tile, interpret=interpret)
   # [blocks, kv, block_q, gp, d] -> [blocks * block_q, kv, gp, d] -> token order.
   tiles = tiles.transpose(0, 2, 1, 3, 4).reshape(-1, num_kv_heads, group_padded, head_dim)
   out = tiles[jnp.maximum(token_tiles, 0), :, :group]
@@ -165,10 +167,10 @@ def ragged_mixed_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def ragged_mixed_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                                     block_tables: jax.Array, context_lens: jax.Array,
+                                     page_tables: jax.Array, context_lens: jax.Array,
                                      query_start_loc: jax.Array, sm_scale: float | None = None,
                                      soft_cap: float | None = None) -> jax.Array:
   """The oracle: kvpage's reference implementation, unchanged."""
   return attention.ragged_paged_attention(
-      q, k_pages, v_pages, block_tables=block_tables, context_lens=context_lens,
+      q, k_pages, v_pages, page_tables=page_tables, context_lens=context_lens,
       query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap)

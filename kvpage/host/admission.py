@@ -36,8 +36,8 @@ import dataclasses
 
 import ml_collections
 
-from kvpage.block_manager import BlockManager
-from kvpage.request import Request
+from kvpage.host.pages import PagePool
+from kvpage.host.request import Request
 
 OK, BAD_REQUEST, TOO_MANY_REQUESTS, SERVICE_UNAVAILABLE = 200, 400, 429, 503
 
@@ -59,13 +59,13 @@ class Admission:
 class AdmissionControl:
   """Estimates pages per request, tracks the admitted backlog, and answers arrivals."""
 
-  def __init__(self, config: ml_collections.ConfigDict, block_manager: BlockManager,
+  def __init__(self, config: ml_collections.ConfigDict, page_pool: PagePool,
                max_model_len: int, vocab_size: int | None = None):
     self.config = config
-    self.block_manager = block_manager
+    self.page_pool = page_pool
     self.max_model_len = max_model_len
     self.vocab_size = vocab_size
-    self.watermark_pages = config.watermark * block_manager.num_usable_pages
+    self.watermark_pages = config.watermark * page_pool.num_usable_pages
     self._recent_outputs: collections.deque[int] = collections.deque(
         maxlen=config.output_estimate_window)
     self._recent_outputs_sum = 0
@@ -89,11 +89,11 @@ class AdmissionControl:
   def estimate_pages(self, request: Request) -> int:
     """Pages `request` is expected to hold at its peak."""
     tokens = request.num_prompt_tokens + self.expected_output_tokens(request)
-    return self.block_manager.pages_for(tokens)
+    return self.page_pool.pages_for(tokens)
 
   def decide(self, request: Request, num_waiting: int, now: float) -> Admission:
     """400, 503, 429 or 200 for an arriving request (see the module docstring)."""
-    rid, bm = request.request_id, self.block_manager
+    rid, pool = request.request_id, self.page_pool
     max_tokens = request.sampling.max_tokens
     total = request.num_prompt_tokens + max_tokens
     if request.num_prompt_tokens == 0:
@@ -102,9 +102,9 @@ class AdmissionControl:
       return Admission(BAD_REQUEST, f"prompt ({request.num_prompt_tokens}) + max_tokens "
                        f"({max_tokens}) = {total} tokens exceeds max_model_len "
                        f"{self.max_model_len}", None, rid)
-    if bm.pages_for(total) > bm.num_usable_pages:
-      return Admission(BAD_REQUEST, f"{total} tokens need {bm.pages_for(total)} pages, more "
-                       f"than the whole pool ({bm.num_usable_pages})", None, rid)
+    if pool.pages_for(total) > pool.num_usable_pages:
+      return Admission(BAD_REQUEST, f"{total} tokens need {pool.pages_for(total)} pages, more "
+                       f"than the whole pool ({pool.num_usable_pages})", None, rid)
     if self.vocab_size is not None:
       bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
       if bad:
@@ -115,17 +115,17 @@ class AdmissionControl:
     # plus one token once a running mean may shrink it. Above the line even then, the
     # request can never be admitted and a 503 would have the client retry forever.
     floor = (estimate if self.config.output_estimate != "running_mean"
-             else bm.pages_for(request.num_prompt_tokens + 1))
-    if bm.num_usable_pages - floor < self.watermark_pages:
+             else pool.pages_for(request.num_prompt_tokens + 1))
+    if pool.num_usable_pages - floor < self.watermark_pages:
       return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
-                       f"({self.watermark_pages:.1f} of {bm.num_usable_pages} pages kept free) "
+                       f"({self.watermark_pages:.1f} of {pool.num_usable_pages} pages kept free) "
                        "even in an empty cache", None, rid)
-    left = bm.num_free_pages - self.num_backlog_pages - estimate
+    left = pool.num_free_pages - self.num_backlog_pages - estimate
     if left < self.watermark_pages:
       return Admission(
           SERVICE_UNAVAILABLE,
           f"cache pressure: {estimate} pages for this request + {self.num_backlog_pages} for "
-          f"admitted waiting requests would leave {left} of {bm.num_free_pages} free pages, "
+          f"admitted waiting requests would leave {left} of {pool.num_free_pages} free pages, "
           f"under the watermark of {self.watermark_pages:.1f}",
           self.retry_after(self.watermark_pages - left, now), rid)
     if num_waiting >= self.config.max_waiting:

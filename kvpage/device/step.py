@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpage import batch as batch_lib
-from kvpage import paged_cache, sampling
 from kvpage.batch import StepBatch
+from kvpage.device import cache as paged_cache
+from kvpage.device import sampling
 
 ForwardFn = Callable[[Any, paged_cache.PagedKVCache, StepBatch],
                      tuple[jax.Array, paged_cache.PagedKVCache]]
@@ -66,7 +67,7 @@ class Step:
     """Up to `num_steps` decode iterations in one program; row s runs `batch.num_steps[s]`.
 
     Iteration i moves each live row one position on (its pages were reserved by the
-    scheduler), recomputes its slot from the block table, and feeds the previous
+    scheduler), recomputes its slot from the page table, and feeds the previous
     iteration's sample as its token. A row past its own count stays put and writes
     the null page; its samples are ignored. Returns every iteration's samples,
     `i32[num_steps, feed_width]`, and the feed for the next launch: each row's last.
@@ -77,7 +78,7 @@ class Step:
     page_size = cache.page_size
     # Decode batch: token row s < num_seqs is sequence s's; rows past them are padding.
     row_steps = jnp.zeros(num_tokens, jnp.int32).at[:num_seqs].set(batch.num_steps)
-    row_tables = batch.block_tables[jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)]
+    row_tables = batch.page_tables[jnp.minimum(jnp.arange(num_tokens), num_seqs - 1)]
     samples = jnp.zeros((num_steps, self.feed_width), jnp.int32)
 
     def iteration(i, carry):

@@ -20,8 +20,22 @@ Two prefill policies decide the order within a step:
 
 When a running request needs a page and none is free, the least important running
 request (largest priority value, newest among equals) is preempted — by recompute,
-swap or abort (`preemption.py`). A running request never fails because another
-one grew: it either gets its page or is itself the least important request.
+swap or abort (`_preempt`). A running request never fails because another one grew:
+it either gets its page or is itself the least important request.
+
+Preemption's victim is the least important running request: the largest priority
+value (lower = more important, as in vLLM), the newest among equals — the newest has
+the least sunk work and the most remaining wait tolerance (vLLM's FCFS recompute
+order, SOSP'23 section 4.5). The three modes (`preemption_mode`):
+
+  * **recompute**: free its pages; it re-enters the *front* of the waiting queue and
+    later prefills prompt + generated tokens again in one pass. Cheap when prompts
+    are short: recomputing is a compute-bound prefill, faster than re-decoding.
+  * **swap**: copy its pages to the host pool and resume it, before any waiting
+    request, once device pages free up; the step output lists the page copies. When
+    the host pool cannot take it, it falls back to recompute.
+  * **abort**: finish it with reason `"preempted"` — for deployments that prefer a
+    fast error over a slow answer.
 
 With `num_decode_steps > 1` (multi-step decoding, vLLM's multi-step scheduling) a
 step that is all decodes, while nothing waits or sits swapped, becomes one launch of
@@ -42,12 +56,11 @@ from typing import Any
 
 import ml_collections
 
-from configs import scheduler as scheduler_config
-from kvpage import preemption
-from kvpage.admission import Admission, AdmissionControl
-from kvpage.block_manager import BlockManager
-from kvpage.request import Request, RequestStatus
-from kvpage.scheduler_output import (
+from kvpage.host import scheduler_config
+from kvpage.host.admission import Admission, AdmissionControl
+from kvpage.host.pages import PagePool
+from kvpage.host.request import Request, RequestStatus
+from kvpage.interface import (
   Preemption,
   ScheduledSequence,
   SchedulerOutput,
@@ -61,7 +74,7 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Scheduler:
-  """Admission, continuous batching, chunked prefill and preemption over a BlockManager."""
+  """Admission, continuous batching, chunked prefill and preemption over a PagePool."""
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
                max_model_len: int, num_host_pages: int | None = None,
@@ -71,8 +84,8 @@ class Scheduler:
     self.max_model_len = max_model_len
     self.clock = clock
     host = config.num_host_pages if num_host_pages is None else num_host_pages
-    self.block_manager = BlockManager(num_pages, page_size, host)
-    self.admission = AdmissionControl(config, self.block_manager, max_model_len, vocab_size)
+    self.page_pool = PagePool(num_pages, page_size, host)
+    self.admission = AdmissionControl(config, self.page_pool, max_model_len, vocab_size)
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.swapped: list[Request] = []
@@ -82,7 +95,7 @@ class Scheduler:
     self._step = 0
     self._num_admitted = 0
     self._num_finished = 0
-    self._preemptions = dict.fromkeys(preemption.PREEMPTION_MODES, 0)
+    self._preemptions = dict.fromkeys(scheduler_config.PREEMPTION_MODES, 0)
     self._rejections = {400: 0, 429: 0, 503: 0}
     # Per-step state, reset by `schedule`.
     self._scheduled: dict[str, ScheduledSequence] = {}
@@ -224,12 +237,12 @@ class Scheduler:
 
   def stats(self) -> dict[str, Any]:
     """Counters and gauges for the metrics module: usage, queues, preemptions, rejections."""
-    bm = self.block_manager
+    pool = self.page_pool
     return dict(
         step=self._step, num_running=self.num_running, num_waiting=self.num_waiting,
-        num_swapped=self.num_swapped, kv_usage=bm.usage, num_free_pages=bm.num_free_pages,
-        num_used_pages=bm.num_used_pages, num_usable_pages=bm.num_usable_pages,
-        host_usage=bm.host_usage, num_free_host_pages=bm.num_free_host_pages,
+        num_swapped=self.num_swapped, kv_usage=pool.usage, num_free_pages=pool.num_free_pages,
+        num_used_pages=pool.num_used_pages, num_usable_pages=pool.num_usable_pages,
+        host_usage=pool.host_usage, num_free_host_pages=pool.num_free_host_pages,
         num_backlog_pages=self.admission.num_backlog_pages, num_admitted=self._num_admitted,
         num_finished=self._num_finished, preemptions=dict(self._preemptions),
         num_preemptions=sum(self._preemptions.values()), rejections=dict(self._rejections),
@@ -254,19 +267,19 @@ class Scheduler:
 
   def _resume_swapped(self, out: SchedulerOutput) -> None:
     """Swaps preempted requests back in, most important first, while pages allow."""
-    bm = self.block_manager
+    pool = self.page_pool
     while self.swapped and len(self.running) < self.config.max_num_seqs and self._budget > 0:
-      request = min(self.swapped, key=preemption.importance)
+      request = min(self.swapped, key=importance)
       num_new = self._num_new_prefill(request)
       target = request.num_computed_tokens + num_new
-      extra = bm.pages_for(target) - len(request.host_page_ids)
-      if num_new == 0 or not bm.can_swap_in(request.request_id, extra):
+      extra = pool.pages_for(target) - len(request.host_page_ids)
+      if num_new == 0 or not pool.can_swap_in(request.request_id, extra):
         return
-      out.swap_in.extend(bm.swap_in(request.request_id))
-      bm.append_slot(request.request_id, target)
+      out.swap_in.extend(pool.swap_in(request.request_id))
+      pool.grow_to(request.request_id, target)
       self.swapped.remove(request)
       self.admission.remove_backlog(request)
-      request.page_ids, request.host_page_ids = bm.page_table(request.request_id), []
+      request.page_ids, request.host_page_ids = pool.page_table(request.request_id), []
       request.status = _RUNNING
       self.running.append(request)
       request.log(self.clock(), "swapped_in", num_pages=len(request.page_ids))
@@ -277,15 +290,15 @@ class Scheduler:
     del out  # Admission never preempts: waiting requests take only free pages.
     if self.swapped:
       return  # Swapped requests resume first.
-    bm = self.block_manager
+    pool = self.page_pool
     while self.waiting and len(self.running) < self.config.max_num_seqs and self._budget > 0:
       request = self.waiting[0]
       num_new = self._num_new_prefill(request)
-      if num_new == 0 or not bm.can_allocate(num_new):
+      if num_new == 0 or not pool.can_allocate(num_new):
         return  # Head-of-line blocking keeps FCFS order fair.
       self.waiting.popleft()
       self.admission.remove_backlog(request)
-      request.page_ids = bm.allocate(request.request_id, num_new)
+      request.page_ids = pool.allocate(request.request_id, num_new)
       request.status = _RUNNING
       self.running.append(request)
       request.log(self.clock(), "scheduled", num_computed_tokens=request.num_computed_tokens,
@@ -301,15 +314,15 @@ class Scheduler:
 
   def _reserve_pages(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
     """Pages for `num_tokens` tokens, preempting others if needed; False if `request` lost."""
-    bm = self.block_manager
-    if len(request.page_ids) * bm.page_size >= num_tokens:
+    pool = self.page_pool
+    if len(request.page_ids) * pool.page_size >= num_tokens:
       return True
-    while not bm.can_append(request.request_id, num_tokens):
-      victim = max(self.running, key=preemption.importance)
+    while not pool.can_grow_to(request.request_id, num_tokens):
+      victim = max(self.running, key=importance)
       self._preempt(victim, out)
       if victim is request:
         return False
-    bm.append_slot(request.request_id, num_tokens)
+    pool.grow_to(request.request_id, num_tokens)
     return True
 
   def _extend_decodes(self, out: SchedulerOutput) -> None:
@@ -328,19 +341,19 @@ class Scheduler:
         or out.preempted or out.swap_in or out.swap_out
         or any(seq.is_prefill or not seq.samples for seq in out.scheduled)):
       return
-    bm = self.block_manager
+    pool = self.page_pool
     plans = []
     for seq in out.scheduled:
       request = seq.request
       num_steps = min(steps, request.sampling.max_tokens - request.num_sampled,
                       self.max_model_len - seq.start_position)
-      plans.append((seq, num_steps, bm.num_missing_pages(request.request_id,
+      plans.append((seq, num_steps, pool.num_missing_pages(request.request_id,
                                                          seq.start_position + num_steps)))
-    if sum(missing for _, _, missing in plans) > bm.num_free_pages:
+    if sum(missing for _, _, missing in plans) > pool.num_free_pages:
       return
     for seq, num_steps, missing in plans:
       if missing:
-        bm.append_slot(seq.request_id, seq.start_position + num_steps)
+        pool.grow_to(seq.request_id, seq.start_position + num_steps)
         seq.page_ids = list(seq.request.page_ids)
       seq.num_steps = num_steps
     out.num_steps = steps
@@ -350,16 +363,46 @@ class Scheduler:
     self._budget -= num_new
 
   def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
-    """Takes `victim` out of the running set by the configured mode (see preemption.py)."""
+    """Takes `victim` out of the running set by the configured mode (module docstring)."""
     self.running.remove(victim)
     dropped = self._scheduled.pop(victim.request_id, None)
     if dropped is not None:  # Already in this step's batch: give its tokens back.
       self._budget += len(dropped.token_ids)
     now = self.clock()
-    mode = preemption.preempt(self, victim, out, now)
+    mode = self.config.preemption_mode
+    if mode == "swap" and not self.page_pool.can_swap_out(victim.request_id):
+      victim.log(now, "swap_fallback", num_pages=len(victim.page_ids),
+                 num_free_host_pages=self.page_pool.num_free_host_pages)
+      mode = "recompute"
+    victim.num_preemptions += 1
+    victim.log(now, "preempted", mode=mode, num_computed_tokens=victim.num_computed_tokens)
+    out.preempted.append(Preemption(victim, mode))
     self._preemptions[mode] += 1
-    if mode == "abort":
+    if mode == "swap":
+      self._swap_out(victim, out, now)
+    elif mode == "recompute":
+      self._requeue(victim)
+    else:
       self._finish(victim, "preempted", now)
+
+  def _swap_out(self, victim: Request, out: SchedulerOutput, now: float) -> None:
+    """Swap preemption: its pages go to the host pool; it resumes before any waiting one."""
+    out.swap_out.extend(self.page_pool.swap_out(victim.request_id))
+    victim.page_ids = []
+    victim.host_page_ids = self.page_pool.host_table(victim.request_id)
+    victim.status = RequestStatus.SWAPPED
+    victim.log(now, "swapped_out", num_pages=len(victim.host_page_ids))
+    self.swapped.append(victim)
+    self.admission.add_backlog(victim)
+
+  def _requeue(self, victim: Request) -> None:
+    """Recompute preemption: its pages are freed; it prefills prompt + output again."""
+    self.page_pool.free(victim.request_id)
+    victim.page_ids = []
+    victim.num_computed_tokens = 0
+    victim.status = RequestStatus.WAITING
+    self.waiting.appendleft(victim)
+    self.admission.add_backlog(victim)
 
   def _finish(self, request: Request, reason: str, now: float) -> None:
     """Ends a request in any queue: frees its pages, logs why, reports it once."""
@@ -370,7 +413,7 @@ class Scheduler:
     elif request.status is RequestStatus.WAITING and request in self.waiting:
       self.waiting.remove(request)
     self.admission.remove_backlog(request)
-    num_freed = self.block_manager.free(request.request_id)
+    num_freed = self.page_pool.free(request.request_id)
     request.page_ids, request.host_page_ids = [], []
     request.num_pending = 0  # a token still in flight for it is void
     request.status, request.finish_reason = RequestStatus.FINISHED, reason
@@ -381,3 +424,8 @@ class Scheduler:
     self.requests.pop(request.request_id, None)
     self._num_finished += 1
     self._finished.append(request)
+
+
+def importance(request: Request) -> tuple[int, float, int]:
+  """Sort key: larger = less important = preempted first, resumed last."""
+  return request.priority, request.arrival_time, request.admission_index
