@@ -36,7 +36,7 @@ def gather_rows(pages: jax.Array, rows: jax.Array) -> jax.Array:
                         mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
-def decode_rows(block_tables: jax.Array, num_kv_heads: int, num_pages: int,
+def decode_rows(page_tables: jax.Array, num_kv_heads: int, num_pages: int,
                 layer: int = 0) -> jax.Array:
   """`i32[num_kv_heads, num_seqs, max_pages]`: the row of each table entry in the 2-D view
   of a `[num_layers, num_kv_heads, num_pages, ...]` pool (layer 0 for a one-layer pool).
@@ -45,11 +45,11 @@ def decode_rows(block_tables: jax.Array, num_kv_heads: int, num_pages: int,
   XLA:CPU's pipeline); measured, that costs little next to moving the rows themselves.
   """
   heads = (layer * num_kv_heads + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages
-  return heads[:, None, None] + block_tables[None]
+  return heads[:, None, None] + page_tables[None]
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                           block_tables: jax.Array, context_lens: jax.Array,
+                           page_tables: jax.Array, context_lens: jax.Array,
                            layer: int | None = None, sm_scale: float | None = None,
                            soft_cap: float | None = None,
                            tokens_per_chunk: int = DECODE_TOKENS_PER_CHUNK) -> jax.Array:
@@ -58,7 +58,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   The host knows when a step is decode-only (every scheduled sequence brings exactly
   one token) and says so statically, so this path drops the ragged bookkeeping: no
   token-to-sequence search, no causal mask (the new token is the last position), no
-  per-token copy of the block table. Each sequence's pages are gathered as whole rows
+  per-token copy of the page table. Each sequence's pages are gathered as whole rows
   and scored in one pass; contexts longer than `tokens_per_chunk` fold chunk by chunk
   into an online softmax, as the reference does, so memory stays bounded.
 
@@ -67,17 +67,17 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       rows past the real sequences are padding and come out as zeros.
     k_pages, v_pages: `[num_kv_heads, num_pages, page_size, head_dim]`, or, with `layer`,
       the whole cache `[num_layers, num_kv_heads, ...]` (read in place: no layer slice).
-    block_tables, context_lens: as in `ragged_paged_attention`; length-0 rows are padding.
+    page_tables, context_lens: as in `ragged_paged_attention`; length-0 rows are padding.
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   """
   pool_k = k_pages if layer is None else k_pages[0]  # shapes only; never materialized
-  validate(q, pool_k, pool_k, block_tables, context_lens,
-           jnp.zeros(block_tables.shape[0] + 1, jnp.int32))
+  validate(q, pool_k, pool_k, page_tables, context_lens,
+           jnp.zeros(page_tables.shape[0] + 1, jnp.int32))
   num_tokens, num_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = pool_k.shape
-  num_seqs = min(num_tokens, block_tables.shape[0])  # decode: seqs past num_tokens are empty
-  rows = decode_rows(block_tables[:num_seqs], num_kv_heads, num_pages, layer or 0)
+  num_seqs = min(num_tokens, page_tables.shape[0])  # decode: seqs past num_tokens are empty
+  rows = decode_rows(page_tables[:num_seqs], num_kv_heads, num_pages, layer or 0)
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   q_grouped = (q[:num_seqs].astype(jnp.float32) * sm_scale).reshape(
       num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(1, 0, 2, 3)
@@ -221,7 +221,7 @@ def query_blocks(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens
 
 
 def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                             block_tables: jax.Array, context_lens: jax.Array,
+                             page_tables: jax.Array, context_lens: jax.Array,
                              query_start_loc: jax.Array, layer: int | None = None,
                              sm_scale: float | None = None, soft_cap: float | None = None,
                              block_size: int | None = None,
@@ -239,11 +239,11 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
   `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place.
   """
   pool_k = k_pages if layer is None else k_pages[0]  # shapes only; never materialized
-  validate(q, pool_k, pool_k, block_tables, context_lens, query_start_loc)
+  validate(q, pool_k, pool_k, page_tables, context_lens, query_start_loc)
   num_tokens, num_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = pool_k.shape
   group = num_heads // num_kv_heads
-  num_seqs = block_tables.shape[0]
+  num_seqs = page_tables.shape[0]
   block = block_size or query_block_size(num_tokens, num_seqs)
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
 
@@ -259,7 +259,7 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
   q_blocks = q[jnp.clip(token_rows, 0, num_tokens - 1)].astype(jnp.float32) * sm_scale
   q_rows = q_blocks.reshape(num_blocks, block, num_kv_heads, group, head_dim).transpose(
       2, 0, 1, 3, 4).reshape(num_kv_heads, num_blocks, block * group, head_dim)
-  rows = decode_rows(block_tables[seq], num_kv_heads, num_pages, layer or 0)
+  rows = decode_rows(page_tables[seq], num_kv_heads, num_pages, layer or 0)
   out = _fold(q_rows, k_pages, v_pages, rows, limits,
               max(1, tokens_per_chunk // page_size), soft_cap)
   out = out.reshape(num_kv_heads, num_blocks * block, group, head_dim).transpose(1, 0, 2, 3)
