@@ -61,7 +61,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             nominal_memory_gb=24,
             hbm_bandwidth=41e9,
             peak_flops=0.3e12,
-            source="this project's 2-core AVX-512 dev machine (shared/JAX-NOTES.md): 24 GiB, "
+            source="the project's 2-core AVX-512 development VM: 24 GiB, "
             "~41 GB/s measured for a 1 GiB numpy copy; peak FLOP/s is an estimate "
             "(2 cores x 2 FMA x 16 fp32 lanes x 2 x ~2.5 GHz)",
             host_link_bandwidth=20e9,  # a host "swap" is a memcpy here

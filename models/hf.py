@@ -14,7 +14,6 @@ from typing import Any
 
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 import safetensors
 
 from configs import base
@@ -152,8 +151,3 @@ def load(checkpoint_dir: str | pathlib.Path,
     node[path[-1]] = value.T if path[-1] == "kernel" else value
   return config, params
 
-
-def params_to_numpy(params: dict[str, Any]) -> dict[str, Any]:
-  """A host copy of a param tree (handy for comparisons in tests)."""
-  return {k: params_to_numpy(v) if isinstance(v, dict) else np.asarray(v)
-          for k, v in params.items()}

@@ -1,7 +1,7 @@
 """The premises every kvpage figure carries: software versions and the machine.
 
 A capacity or throughput number means nothing without the model, precision, lengths,
-batching policy and hardware it was measured under (shared/MISSION.md). Benchmarks and
+batching policy and hardware it was measured under. Benchmarks and
 experiments merge `environment()` with their own premises into every JSON they write.
 Pure Python: reads package metadata, never imports jax.
 """
