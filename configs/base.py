@@ -10,8 +10,9 @@ Later sections (scheduler, engine) are added by the modules that own them.
 import ml_collections
 
 from configs import model_table, scheduler
+from kvpage import units
 
-DTYPES = ("fp32", "bf16", "fp16", "fp8", "int8")
+DTYPES = tuple(units.DTYPES)
 
 
 def model_config(name: str, dtype: str) -> ml_collections.ConfigDict:

@@ -20,6 +20,7 @@ from ml_collections import config_flags
 
 from configs import hardware as hardware_lib
 from experiments import cli
+from kvpage import units
 from kvpage.sim import capacity
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -122,8 +123,8 @@ def main(argv: list[str]) -> None:
   if _UNITS.value not in UNIT_BYTES:
     raise ValueError(f"unknown --units {_UNITS.value!r}; choose one of: gb, gib")
   hardware = hardware_lib.get_hardware(_HARDWARE.value or config.hardware)
-  dtype = capacity.canonical_dtype(_DTYPE.value or config.model.dtype)
-  kv_dtype = capacity.canonical_dtype(_KV_DTYPE.value or _DTYPE.value or config.cache.kv_dtype)
+  dtype = units.canonical_dtype(_DTYPE.value or config.model.dtype)
+  kv_dtype = units.canonical_dtype(_KV_DTYPE.value or _DTYPE.value or config.cache.kv_dtype)
   plans = build_plans(config, hardware, seq_len=_SEQ_LEN.value, dtype=dtype,
                       kv_dtype=kv_dtype, page_size=_PAGE_SIZE.value, unit=_UNITS.value,
                       memory_gb=_MEMORY_GB.value, weights_gb=_WEIGHTS_GB.value,

@@ -17,10 +17,12 @@ import ml_collections
 import safetensors
 
 from configs import base
+from kvpage import units
 from kvpage.device import cache as paged_cache
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
-_HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+# Checkpoint precisions loaded as they are; any other loads as fp32.
+_CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class CheckpointError(ValueError):
@@ -50,8 +52,9 @@ def model_config_from_hf(hf: dict, dtype: str | None = None) -> ml_collections.C
       raise CheckpointError(f"unsupported: {flag}=true (kvpage's Llama has no biases)")
   if hf.get("hidden_act", "silu") != "silu":
     raise CheckpointError(f"unsupported hidden_act {hf['hidden_act']!r}; only silu")
-  config = base.model_config("tiny", dtype or _HF_DTYPES.get(
-      hf.get("torch_dtype") or hf.get("dtype") or "float32", "fp32"))
+  stored = hf.get("torch_dtype") or hf.get("dtype")
+  config = base.model_config("tiny", dtype or (
+      units.canonical_dtype(stored) if stored in _CHECKPOINT_DTYPES else "fp32"))
   num_heads = hf["num_attention_heads"]
   config.update(dict(
       name=hf.get("_name_or_path") or "hf-llama", num_layers=hf["num_hidden_layers"],

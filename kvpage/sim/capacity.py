@@ -18,29 +18,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
-_DTYPE_ALIASES = {
-    "float32": "fp32",
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float8_e4m3fn": "fp8",
-    "float8_e5m2": "fp8",
-}
+from kvpage.units import canonical_dtype, cdiv, dtype_bytes
+
 DEFAULT_PAGE_SIZE = 16
-
-
-def canonical_dtype(dtype: str) -> str:
-  """Maps a dtype name (`bf16`, `bfloat16`, ...) to its short name, or raises ValueError."""
-  name = _DTYPE_ALIASES.get(str(dtype), str(dtype))
-  if name not in DTYPE_BYTES:
-    raise ValueError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPE_BYTES)}")
-  return name
-
-
-def dtype_bytes(dtype: str) -> int:
-  """Bytes per element of `dtype`."""
-  return DTYPE_BYTES[canonical_dtype(dtype)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +79,7 @@ def pages_for_tokens(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int
   _check_positive("page_size", page_size)
   if num_tokens < 0:
     raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-  return -(-num_tokens // page_size)
+  return cdiv(num_tokens, page_size)
 
 
 def kv_bytes_per_request(model: ModelShape, dtype: str, seq_len: int,
