@@ -206,7 +206,7 @@ class PagePool:
       table.append(page)
 
   @staticmethod
-  def _release(pages: list[int], ref_counts: list[int], free: collections.deque) -> int:
+  def _release(pages: list[int], ref_counts: list[int], free: collections.deque[int]) -> int:
     num_freed = 0
     for page in pages:
       if ref_counts[page] <= 0:

@@ -43,7 +43,7 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   ignore_eos: bool = False
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
       raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
     if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
@@ -93,7 +93,7 @@ class Request:
   num_preemptions: int = 0
   admission_index: int = -1  # order of admission: breaks priority ties, newest first
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     self.prompt_ids = list(self.prompt_ids)
 
   def log(self, time: float, kind: str, **detail: Any) -> None:

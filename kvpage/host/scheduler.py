@@ -52,7 +52,7 @@ Pure Python: never imports jax.
 import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import ml_collections
 
@@ -428,4 +428,5 @@ class Scheduler:
 
 def importance(request: Request) -> tuple[int, float, int]:
   """Sort key: larger = less important = preempted first, resumed last."""
-  return request.priority, request.arrival_time, request.admission_index
+  # Only admitted requests are ranked, and `add_request` stamped their arrival time.
+  return request.priority, cast(float, request.arrival_time), request.admission_index
