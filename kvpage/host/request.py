@@ -2,7 +2,7 @@
 
 A `Request` carries everything the scheduler decides on — prompt ids, sampling
 parameters, priority, arrival time — and everything it decided: its status, the
-tokens generated so far, the KV pages it holds (`page_ids`, in position order; a
+tokens generated so far, the KV pages it holds (`page_ids`, its page table: a
 token at position `p` lives in page `page_ids[p // page_size]`), and how many
 tokens already have their keys and values in the cache (`num_computed_tokens`).
 
