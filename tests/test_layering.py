@@ -30,6 +30,8 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOST_WORLD = ("kvpage/host", "kvpage/sim", "kvpage/interface.py", "kvpage/batch.py")
 DEVICE_ONLY = ("jax", "jaxlib", "flax", "optax", "chex", "kvpage.device")
@@ -65,6 +67,8 @@ class Import:
 def walk(root: pathlib.Path, top: str) -> Iterator[tuple[str, pathlib.Path]]:
   """`(dotted module name, path)` for every module under `root/top` (a folder or a file)."""
   start = root / top
+  if not start.exists():  # a moved folder must fail the rules, not empty them
+    raise FileNotFoundError(f"{start} does not exist: update the layering rules")
   paths = [start] if start.is_file() else sorted(start.rglob("*.py"))
   for path in paths:
     parts = list(path.relative_to(root).with_suffix("").parts)
@@ -248,6 +252,7 @@ def test_walk_finds_every_world():
   assert dict(walk(ROOT, "kvpage/batch.py")) == {"kvpage.batch": ROOT / "kvpage/batch.py"}
   names = [name for top in HOST_WORLD for name, _ in walk(ROOT, top)]
   assert 15 <= len(names) <= 60 and len(set(names)) == len(names)
+  assert all(any(walk(ROOT, top)) for top in HOST_WORLD + PROJECT)
   project = {name for top in PROJECT for name, _ in walk(ROOT, top)}
   assert {"kvpage.device.executor", "kvpage.device.attention.pallas.decode", "models.llama",
           "configs.tiny", "experiments.serve_bench", "benchmarks.timing"} <= project
@@ -306,3 +311,8 @@ def test_a_planted_cycle_is_found_and_printed(tmp_path):
   assert find_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
   assert find_cycles({"x": {"x"}, "y": set()}) == [["x", "x"]]
   assert find_cycles({"x": {"y"}, "y": set()}) == []
+
+
+def test_a_missing_folder_fails_loudly(tmp_path):
+  with pytest.raises(FileNotFoundError, match="update the layering rules"):
+    violations(tmp_path, ["kvpage/host"], DEVICE_ONLY)
