@@ -27,6 +27,7 @@ setuptools.setup(
             "hypothesis>=6.100",
             "chex>=0.1.90",
             "ruff>=0.6",
+            "mypy>=1.11",
             # Test-time references only (parity checks), never imported by kvpage:
             # torch 2.13.0's CPU build is the one these machines carry.
             "torch==2.13.0",

@@ -4,15 +4,15 @@ The device cache is one pool of `num_pages` fixed-size pages of `page_size` toke
 (PagedAttention, Kwon et al., SOSP'23). A request holds a list of page ids in
 position order — its page table — and grows it one page at a time as it decodes,
 so no request preallocates its maximum length. Page 0 is the **null page**: padded
-tokens write there and padded block-table entries point there, so it is never
+tokens write there and padded page-table entries point there, so it is never
 handed out; `num_usable_pages = num_pages - 1`.
 
-Each page carries a reference count. Today every owned page has exactly one owner;
-counting references instead of flagging ownership is what lets a later
-prefix-sharing feature map one page into several page tables without changing
-the verbs. The verbs come in pairs — `can_allocate`/`allocate`,
-`can_grow_to`/`grow_to`, `can_swap_out`/`swap_out`, `can_swap_in`/`swap_in` —
-so the scheduler asks before it commits and the commit never fails halfway.
+Each page carries a reference count. Every owned page has one owner; counting
+references rather than flagging ownership leaves room for prefix sharing (one page
+in several page tables) without changing the verbs. The verbs come in pairs —
+`can_allocate`/`allocate`, `can_grow_to`/`grow_to`, `can_swap_out`/`swap_out`,
+`can_swap_in`/`swap_in` — so the scheduler asks before it commits and the commit
+never fails halfway.
 
 A host swap pool of `num_host_pages` pages receives the pages of requests
 preempted by swapping (vLLM's swap mode); `swap_out`/`swap_in` return the
@@ -59,10 +59,12 @@ class PagePool:
 
   @property
   def num_free_pages(self) -> int:
+    """Device pages on the free list."""
     return len(self._free)
 
   @property
   def num_used_pages(self) -> int:
+    """Device pages some request holds."""
     return self.num_pages - 1 - len(self._free)
 
   @property
@@ -72,14 +74,17 @@ class PagePool:
 
   @property
   def num_free_host_pages(self) -> int:
+    """Host swap pages on the free list."""
     return len(self._host_free)
 
   @property
   def num_used_host_pages(self) -> int:
+    """Host swap pages that a swapped-out request holds."""
     return self.num_host_pages - len(self._host_free)
 
   @property
   def host_usage(self) -> float:
+    """Fraction of host swap pages that are owned (0 without a host pool)."""
     return self.num_used_host_pages / self.num_host_pages if self.num_host_pages else 0.0
 
   def pages_for(self, num_tokens: int) -> int:
@@ -87,11 +92,11 @@ class PagePool:
     return -(-num_tokens // self.page_size)
 
   def page_table(self, request_id: str) -> list[int]:
-    """The live device page list of a request (empty if none); callers must not mutate it."""
+    """The request's live page table (empty if none); callers must not mutate it."""
     return self._tables.get(request_id, [])
 
   def host_table(self, request_id: str) -> list[int]:
-    """The live host page list of a swapped-out request (empty if none)."""
+    """The live host page table of a swapped-out request (empty if none)."""
     return self._host_tables.get(request_id, [])
 
   # Device verbs.
@@ -100,7 +105,7 @@ class PagePool:
     return self.pages_for(num_tokens) <= len(self._free)
 
   def allocate(self, request_id: str, num_tokens: int) -> list[int]:
-    """Gives a request without pages enough pages for `num_tokens`; returns its table."""
+    """Gives a request without pages a table holding `num_tokens` tokens; returns it."""
     if self._tables.get(request_id):
       raise ValueError(f"request {request_id!r} already holds pages; use grow_to")
     if not self.can_allocate(num_tokens):
@@ -118,16 +123,17 @@ class PagePool:
     """Whether the request's table can grow to hold `num_tokens` tokens in total."""
     return self.num_missing_pages(request_id, num_tokens) <= len(self._free)
 
-  def grow_to(self, request_id: str, num_tokens: int = 1) -> list[int]:
-    """Grows the request's table to hold `num_tokens` tokens in total; returns new pages.
+  def grow_to(self, request_id: str, num_tokens: int) -> list[int]:
+    """Grows the request's table to hold `num_tokens` tokens in total; returns the new pages.
 
-    A decode step asks for `num_computed_tokens + 1`: a new page only when the token
-    crosses a page boundary, which is why paged memory wastes under one page per
-    request (PagedAttention, SOSP'23, section 4.2).
+    `num_tokens` is a total, not an increment: a table that already holds it is left
+    as it is. A decode step asks for `num_computed_tokens + 1`, which takes a new page
+    only when the token crosses a page boundary; that is why paged memory wastes
+    under one page per request (PagedAttention, SOSP'23, section 4.2).
     """
     missing = self.num_missing_pages(request_id, num_tokens)
     if missing > len(self._free):
-      raise ValueError(f"cannot append {missing} pages for {request_id!r}: "
+      raise ValueError(f"cannot grow {request_id!r} by {missing} pages: "
                        f"only {len(self._free)} free")
     table = self._tables.setdefault(request_id, [])
     start = len(table)
@@ -143,10 +149,11 @@ class PagePool:
 
   # Swap verbs: device pages <-> host pool.
   def can_swap_out(self, request_id: str) -> bool:
+    """Whether the host pool has a free page for each of the request's device pages."""
     return len(self._tables.get(request_id, ())) <= len(self._host_free)
 
   def swap_out(self, request_id: str) -> list[tuple[int, int]]:
-    """Moves the request's pages to the host pool; returns (device, host) copies."""
+    """Moves the request's table to host pages; returns the (device, host) page copies."""
     if not self.can_swap_out(request_id):
       raise ValueError(f"host pool too small to swap out {request_id!r}")
     device = self._tables.pop(request_id, [])
@@ -164,7 +171,8 @@ class PagePool:
     return needed <= len(self._free)
 
   def swap_in(self, request_id: str) -> list[tuple[int, int]]:
-    """Moves the request's pages back to device pages; returns (host, device) copies."""
+    """Moves the request's host pages back to device pages; returns the (host, device)
+    page copies. Growing the table past them is a separate `grow_to`."""
     if not self.can_swap_in(request_id):
       raise ValueError(f"not enough free device pages to swap in {request_id!r}")
     if self._tables.get(request_id):
@@ -185,16 +193,19 @@ class PagePool:
     return np.asarray(self._host_ref_counts, dtype=np.int32)
 
   def free_page_ids(self) -> list[int]:
+    """The free device pages, next to be handed out first."""
     return list(self._free)
 
   def free_host_page_ids(self) -> list[int]:
+    """The free host pages, next to be handed out first."""
     return list(self._host_free)
 
   def page_tables(self) -> dict[str, list[int]]:
-    """A copy of every request's device page list."""
+    """A copy of every request's (non-empty) page table."""
     return {rid: list(pages) for rid, pages in self._tables.items() if pages}
 
   def host_page_tables(self) -> dict[str, list[int]]:
+    """A copy of every swapped-out request's host page table."""
     return {rid: list(pages) for rid, pages in self._host_tables.items() if pages}
 
   # Internals.
@@ -206,7 +217,7 @@ class PagePool:
       table.append(page)
 
   @staticmethod
-  def _release(pages: list[int], ref_counts: list[int], free: collections.deque) -> int:
+  def _release(pages: list[int], ref_counts: list[int], free: collections.deque[int]) -> int:
     num_freed = 0
     for page in pages:
       if ref_counts[page] <= 0:

@@ -2,7 +2,7 @@
 
 A `Request` carries everything the scheduler decides on — prompt ids, sampling
 parameters, priority, arrival time — and everything it decided: its status, the
-tokens generated so far, the KV pages it holds (`page_ids`, in position order; a
+tokens generated so far, the KV pages it holds (`page_ids`, its page table: a
 token at position `p` lives in page `page_ids[p // page_size]`), and how many
 tokens already have their keys and values in the cache (`num_computed_tokens`).
 
@@ -43,7 +43,7 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   ignore_eos: bool = False
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
       raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
     if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
@@ -93,7 +93,7 @@ class Request:
   num_preemptions: int = 0
   admission_index: int = -1  # order of admission: breaks priority ties, newest first
 
-  def __post_init__(self):
+  def __post_init__(self) -> None:
     self.prompt_ids = list(self.prompt_ids)
 
   def log(self, time: float, kind: str, **detail: Any) -> None:

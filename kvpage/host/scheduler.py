@@ -19,14 +19,11 @@ Two prefill policies decide the order within a step:
     batching.
 
 When a running request needs a page and none is free, the least important running
-request (largest priority value, newest among equals) is preempted — by recompute,
-swap or abort (`_preempt`). A running request never fails because another one grew:
-it either gets its page or is itself the least important request.
-
-Preemption's victim is the least important running request: the largest priority
-value (lower = more important, as in vLLM), the newest among equals — the newest has
-the least sunk work and the most remaining wait tolerance (vLLM's FCFS recompute
-order, SOSP'23 section 4.5). The three modes (`preemption_mode`):
+request is preempted (`_preempt`): the largest priority value (lower = more
+important, as in vLLM), the newest among equals — the newest has the least sunk work
+and the most remaining wait tolerance (vLLM's FCFS recompute order, SOSP'23 section
+4.5). A running request never fails because another one grew: it either gets its page
+or is itself the least important request. The three modes (`preemption_mode`):
 
   * **recompute**: free its pages; it re-enters the *front* of the waiting queue and
     later prefills prompt + generated tokens again in one pass. Cheap when prompts
@@ -45,14 +42,14 @@ lookahead), and its tokens come back together. Fewer launches, less host work pe
 token; a request arriving meanwhile waits for the launch to end.
 
 The scheduler never touches device arrays: `SchedulerOutput` lists token ids,
-positions, page lists and page copies; `batch.py` turns them into arrays.
+positions, page tables and page copies; `kvpage.batch` turns them into arrays.
 Pure Python: never imports jax.
 """
 
 import collections
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import ml_collections
 
@@ -428,4 +425,5 @@ class Scheduler:
 
 def importance(request: Request) -> tuple[int, float, int]:
   """Sort key: larger = less important = preempted first, resumed last."""
-  return request.priority, request.arrival_time, request.admission_index
+  # Only admitted requests are ranked, and `add_request` stamped their arrival time.
+  return request.priority, cast(float, request.arrival_time), request.admission_index
