@@ -27,8 +27,7 @@ from ml_collections import config_flags
 from benchmarks import contiguous, timing
 from experiments import cli
 from kvpage.device import cache as paged_cache
-from kvpage.device.attention import reference as attention
-from kvpage.device.attention import xla
+from kvpage.device.attention import reference, xla
 from kvpage.sim import capacity, premises
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config.")
@@ -58,7 +57,7 @@ def time_decode(batch: int, context: int, model, page_size: int, repeats: int,
   v_pages = jnp.asarray(rng.standard_normal(k_pages.shape), dtype)
   lengths = jnp.full((batch,), context, jnp.int32)
   paged = jax.jit(functools.partial(
-      attention.ragged_paged_attention, page_tables=jnp.asarray(tables, jnp.int32),
+      reference.ragged_paged_attention, page_tables=jnp.asarray(tables, jnp.int32),
       context_lens=lengths, query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32)))
   k = jnp.asarray(rng.standard_normal((batch, num_kv_heads, context, head_dim)), dtype)
   v = jnp.asarray(rng.standard_normal(k.shape), dtype)

@@ -41,7 +41,7 @@ from absl import flags
 from benchmarks import timing
 from experiments import cli
 from kvpage.device.attention import pallas as paged_attention
-from kvpage.device.attention import reference as attention
+from kvpage.device.attention import reference
 from kvpage.device.attention.pallas import decode as decode_attention
 from kvpage.device.attention.pallas import ragged as ragged_attention
 from kvpage.sim import premises
@@ -128,7 +128,7 @@ def check_kernels(shape: dict, interpret: bool, rng: np.random.Generator) -> lis
                 jnp.asarray(x) for name, x in case.items()}
       q, k, v = (inputs.pop(name) for name in ("q", "k_pages", "v_pages"))
       with jax.default_matmul_precision("highest"):
-        expected = np.asarray(attention.ragged_paged_attention(
+        expected = np.asarray(reference.ragged_paged_attention(
             *(x.astype(jnp.float32) for x in (q, k, v)), **inputs), np.float64)
       row = dict(kernel=kernel, dtype=dtype_name, tolerance=tolerance)
       try:
@@ -201,12 +201,12 @@ def time_cell(batch: int, context: int, shape: dict, dtype, interpret: bool,
   inputs = decode_inputs(batch, context, shape, dtype, _SEED.value)
   decode = jax.jit(functools.partial(decode_attention.paged_decode_attention,
                                      interpret=interpret))
-  reference = jax.jit(attention.ragged_paged_attention)
+  oracle = jax.jit(reference.ragged_paged_attention)
   qsl = jnp.arange(batch + 1, dtype=jnp.int32)
   q, k, v, bt, cl = inputs.values()
   calls = {"pallas_decode": lambda: decode(q, k, v, page_tables=bt, context_lens=cl),
-           "reference": lambda: reference(q, k, v, page_tables=bt, context_lens=cl,
-                                          query_start_loc=qsl)}
+           "reference": lambda: oracle(q, k, v, page_tables=bt, context_lens=cl,
+                                       query_start_loc=qsl)}
   kv_bytes = 2 * batch * context * shape["num_kv_heads"] * shape["head_dim"] * jnp.dtype(
       dtype).itemsize
   row = dict(batch=batch, context=context, kv_bytes=kv_bytes)

@@ -7,11 +7,11 @@ checkpoint by name.
 
 The forward pass serves one ragged mixed batch (`kvpage.batch.StepBatch`): prefill
 chunks and decode tokens flattened to `[num_tokens]`. Each layer writes its new keys
-and values into the cache through the slot mapping, then attends through the block
-tables with the attention chosen by `config.attention_impl`: `xla` (the fast XLA
-paths of `kvpage.device.attention.reference`: decode-only steps by sequence, mixed steps by query
-block), `reference` (the oracle, every step) or `pallas` (the kernels). Only the rows
-that sample (`logits_indices`) go through the LM head.
+and values into the cache through the slot mapping, then attends through the page
+tables with `kvpage.device.attention.attention`, naming `config.attention_impl` (one of
+its `ATTENTION_IMPLS`) and whether the batch is decode-only; which implementation runs,
+and how it is called, is the attention package's business. Only the rows that sample
+(`logits_indices`) go through the LM head.
 """
 
 from typing import Any
@@ -22,25 +22,9 @@ import jax.numpy as jnp
 import ml_collections
 
 from kvpage import batch as batch_lib
+from kvpage.device import attention as attention_lib
 from kvpage.device import cache as paged_cache
-from kvpage.device.attention import reference as attention
-from kvpage.device.attention import xla
 from models import rope
-
-ATTENTION_IMPLS = ("xla", "reference", "pallas")
-
-
-def _attention_fn(impl: str):
-  """`(q, k_pages, v_pages, **batch) -> out` over one layer's pages, for `reference`/`pallas`."""
-  if impl == "reference":
-    return attention.ragged_paged_attention
-  if impl == "pallas":
-    from kvpage.device.attention import pallas as kernels  # Imported only when chosen.
-
-    interpret = jax.default_backend() == "cpu"
-    return lambda *args, **kwargs: kernels.ragged_paged_attention(
-        *args, interpret=interpret, **kwargs)
-  raise ValueError(f"unknown attention_impl {impl!r}; choose one of: {', '.join(ATTENTION_IMPLS)}")
 
 
 class RMSNorm(nn.Module):
@@ -68,7 +52,7 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: paged_cache.PagedKVCache,
-               batch: Any) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+               batch: batch_lib.StepBatch) -> tuple[jax.Array, paged_cache.PagedKVCache]:
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     num_tokens = x.shape[0]
     q = _dense(c.num_heads * c.head_dim, "q_proj", dtype)(x).reshape(
@@ -81,22 +65,11 @@ class Attention(nn.Module):
     q = rope.apply(q, batch.positions, inv_freq)
     k = rope.apply(k, batch.positions, inv_freq)
     cache = paged_cache.write(cache, self.layer, k, v, batch.slot_mapping)
-    if c.attention_impl == "xla" and getattr(batch, "decode_only", False):
-      # Decode-only step (a static fact of the batch's type): the specialized path reads
-      # this layer's pages straight out of the whole cache.
-      out = xla.paged_decode_attention(
-          q.astype(cache.dtype), cache.k_pages, cache.v_pages, layer=self.layer,
-          page_tables=batch.page_tables, context_lens=batch.context_lens)
-    elif c.attention_impl == "xla":  # mixed step: query blocks over the whole cache
-      out = xla.ragged_blocked_attention(
-          q.astype(cache.dtype), cache.k_pages, cache.v_pages, layer=self.layer,
-          page_tables=batch.page_tables, context_lens=batch.context_lens,
-          query_start_loc=batch.query_start_loc)
-    else:
-      out = _attention_fn(c.attention_impl)(
-          q.astype(cache.dtype), cache.k_pages[self.layer], cache.v_pages[self.layer],
-          page_tables=batch.page_tables, context_lens=batch.context_lens,
-          query_start_loc=batch.query_start_loc)
+    # `decode_only` is a class attribute of the batch's type, so static under jit.
+    out = attention_lib.attention(
+        c.attention_impl, q.astype(cache.dtype), cache.k_pages, cache.v_pages,
+        layer=self.layer, page_tables=batch.page_tables, context_lens=batch.context_lens,
+        query_start_loc=batch.query_start_loc, decode_only=batch.decode_only)
     out = out.astype(dtype).reshape(num_tokens, c.num_heads * c.head_dim)
     return _dense(c.d_model, "o_proj", dtype)(out), cache
 
@@ -133,7 +106,7 @@ class Llama(nn.Module):
 
   @nn.compact
   def __call__(self, cache: paged_cache.PagedKVCache,
-               batch: Any) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+               batch: batch_lib.StepBatch) -> tuple[jax.Array, paged_cache.PagedKVCache]:
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=dtype, param_dtype=dtype,
                      embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
@@ -145,7 +118,7 @@ class Llama(nn.Module):
     return logits.astype(jnp.float32), cache
 
 
-def forward(params: Any, cache: paged_cache.PagedKVCache, batch: Any, *,
+def forward(params: Any, cache: paged_cache.PagedKVCache, batch: batch_lib.StepBatch, *,
             config: ml_collections.ConfigDict) -> tuple[jax.Array, paged_cache.PagedKVCache]:
   """The step's model function: `f32[num_seqs, vocab]` logits and the updated cache."""
   return Llama(config).apply({"params": params}, cache, batch)

@@ -1,4 +1,8 @@
-"""The reference ragged paged attention equals dense causal attention on unpaged sequences."""
+"""The oracle and the XLA query-block path equal dense causal attention on unpaged sequences.
+
+Input checks are in `test_attention_validation.py`, the decode-only XLA path in
+`test_decode_fast_path.py`, the kernels in `test_kernels.py`.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -8,14 +12,13 @@ from attention_cases import dense_attention, make_case, relative_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpage.device.attention import reference as attention
-from kvpage.device.attention import xla
+from kvpage.device.attention import reference, xla
 
 HEAD_DIM = 16
 
 
 def run(case, dtype=jnp.float32, **kwargs):
-  return np.asarray(attention.ragged_paged_attention(
+  return np.asarray(reference.ragged_paged_attention(
       jnp.asarray(case.q, dtype), jnp.asarray(case.k_pages, dtype),
       jnp.asarray(case.v_pages, dtype), **case.kwargs(), **kwargs).astype(jnp.float32))
 
@@ -48,14 +51,14 @@ def ragged_batches(draw):
 @given(seqs=ragged_batches(), group=st.sampled_from([1, 2, 4, 8]),
        num_kv_heads=st.sampled_from([1, 2]), page_size=st.sampled_from([1, 4, 16]),
        num_pad_tokens=st.integers(0, 3), num_pad_seqs=st.integers(0, 2),
-       tokens_per_chunk=st.sampled_from([16, 64, 256]), seed=st.integers(0, 2**16))
+       tokens_per_tile=st.sampled_from([16, 64, 256]), seed=st.integers(0, 2**16))
 def test_random_ragged_batches_match_dense(seqs, group, num_kv_heads, page_size,
-                                           num_pad_tokens, num_pad_seqs, tokens_per_chunk,
+                                           num_pad_tokens, num_pad_seqs, tokens_per_tile,
                                            seed):
   case = make_case(seqs, num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
                    head_dim=HEAD_DIM, page_size=page_size, seed=seed,
                    num_pad_tokens=num_pad_tokens, num_pad_seqs=num_pad_seqs)
-  check(case, tokens_per_chunk=tokens_per_chunk)
+  check(case, tokens_per_tile=tokens_per_tile)
 
 
 @pytest.mark.parametrize("name,seqs", [
@@ -100,25 +103,6 @@ def test_permuting_pages_does_not_change_the_result():
   np.testing.assert_allclose(run(case), before, rtol=1e-6, atol=1e-6)
 
 
-def test_bad_shapes_raise_value_errors():
-  case = make_case([(20, 2)], num_heads=4, num_kv_heads=2, head_dim=HEAD_DIM, page_size=4,
-                   seed=0)
-  q, k, v = (jnp.asarray(x) for x in (case.q, case.k_pages, case.v_pages))
-  kwargs = case.kwargs()
-  with pytest.raises(ValueError, match="not a multiple of num_kv_heads"):
-    attention.ragged_paged_attention(q[:, :3], k, v, **kwargs)
-  with pytest.raises(ValueError, match="mismatched dtypes"):
-    attention.ragged_paged_attention(q.astype(jnp.bfloat16), k, v, **kwargs)
-  with pytest.raises(ValueError, match="page table too narrow"):
-    attention.ragged_paged_attention(q, k, v, **{**kwargs, "page_tables": kwargs[
-        "page_tables"][:, :2]})
-  with pytest.raises(ValueError, match="head_dim"):
-    attention.ragged_paged_attention(q[..., :8], k, v, **kwargs)
-  with pytest.raises(ValueError, match="query_start_loc"):
-    attention.ragged_paged_attention(q, k, v, **{**kwargs, "query_start_loc": np.array(
-        [0], np.int32)})
-
-
 # The query-block path (`ragged_blocked_attention`), the model's fast XLA path for
 # mixed steps, against the same dense oracle.
 def check_blocked(case, tolerance=1e-5, **kwargs):
@@ -134,28 +118,28 @@ def check_blocked(case, tolerance=1e-5, **kwargs):
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=ragged_batches(), group=st.sampled_from([1, 2, 4]),
        page_size=st.sampled_from([1, 4, 16]), num_pad_tokens=st.integers(0, 3),
-       num_pad_seqs=st.integers(0, 2), block_size=st.sampled_from([None, 1, 2, 4, 16]),
-       tokens_per_chunk=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
+       num_pad_seqs=st.integers(0, 2), query_block=st.sampled_from([None, 1, 2, 4, 16]),
+       tokens_per_tile=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
 def test_query_blocks_match_dense(seqs, group, page_size, num_pad_tokens, num_pad_seqs,
-                                  block_size, tokens_per_chunk, seed):
+                                  query_block, tokens_per_tile, seed):
   case = make_case(seqs, num_heads=2 * group, num_kv_heads=2, head_dim=HEAD_DIM,
                    page_size=page_size, seed=seed, num_pad_tokens=num_pad_tokens,
                    num_pad_seqs=num_pad_seqs)
-  check_blocked(case, block_size=block_size, tokens_per_chunk=tokens_per_chunk)
+  check_blocked(case, query_block=query_block, tokens_per_tile=tokens_per_tile)
 
 
-@pytest.mark.parametrize("block_size", [1, 8, 16])
-def test_query_blocks_on_named_batches_scale_soft_cap_and_whole_cache(block_size):
+@pytest.mark.parametrize("query_block", [1, 8, 16])
+def test_query_blocks_on_named_batches_scale_soft_cap_and_whole_cache(query_block):
   case = make_case([(513, 1), (17, 17), (40, 7), (3, 1), (100, 37), (29, 11)], num_heads=4,
-                   num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, seed=block_size,
+                   num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, seed=query_block,
                    num_pad_tokens=5, num_pad_seqs=1)
-  out = check_blocked(case, block_size=block_size, sm_scale=0.5, soft_cap=3.0)
+  out = check_blocked(case, query_block=query_block, sm_scale=0.5, soft_cap=3.0)
   # The same pages as layer 1 of a two-layer cache, read in place under jit.
   k, v = (jnp.stack([jnp.zeros_like(jnp.asarray(x)), jnp.asarray(x)])
           for x in (case.k_pages, case.v_pages))
   fn = jax.jit(lambda q, k, v, tables, lens, starts: xla.ragged_blocked_attention(
       q, k, v, layer=1, page_tables=tables, context_lens=lens, query_start_loc=starts,
-      sm_scale=0.5, soft_cap=3.0, block_size=block_size))
+      sm_scale=0.5, soft_cap=3.0, query_block=query_block))
   np.testing.assert_allclose(
       fn(case.q, k, v, case.page_tables, case.context_lens, case.query_start_loc), out,
       rtol=1e-5, atol=1e-6)

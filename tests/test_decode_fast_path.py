@@ -1,10 +1,10 @@
 """The decode-only fast path: equal to the dense oracle, chosen statically, never recompiling.
 
 `paged_decode_attention` must agree with dense causal attention exactly as the
-reference does (fp32 relative error < 1e-5), for single-pass and chunked contexts,
-padding rows and sequences, and when reading one layer out of the whole cache.
+reference does (fp32 relative error < 1e-5), for contexts taken in one pass or folded
+tile by tile, padding rows and sequences, and when reading one layer out of the whole cache.
 `batch.build` marks decode-only batches with their type (`DecodeStepBatch`), which is
-how the model picks the path at trace time.
+how `attention("xla", ..., decode_only=...)` picks the path at trace time.
 """
 
 import jax
@@ -14,8 +14,7 @@ import pytest
 from attention_cases import dense_attention, make_case, relative_error
 
 from kvpage import batch as batch_lib
-from kvpage.device.attention import reference as attention
-from kvpage.device.attention import xla
+from kvpage.device.attention import reference, xla
 from kvpage.host.request import Request, SamplingParams
 from kvpage.interface import ScheduledSequence
 
@@ -34,12 +33,12 @@ def check(case, **kwargs):
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("tokens_per_chunk", [16, 128, 4096])
-def test_decode_matches_dense(page_size, group, tokens_per_chunk):
+@pytest.mark.parametrize("tokens_per_tile", [16, 128, 4096])
+def test_decode_matches_dense(page_size, group, tokens_per_tile):
   case = make_case(DECODE_SEQS, num_heads=2 * group, num_kv_heads=2, head_dim=16,
                    page_size=page_size, seed=page_size + group, num_pad_tokens=2,
                    num_pad_seqs=1)
-  check(case, tokens_per_chunk=tokens_per_chunk)
+  check(case, tokens_per_tile=tokens_per_tile)
 
 
 def test_scale_soft_cap_and_whole_cache_layer():
@@ -60,9 +59,9 @@ def test_agrees_with_the_reference_on_a_decode_batch():
                    seed=9, num_pad_tokens=3)
   args = (jnp.asarray(case.q), jnp.asarray(case.k_pages), jnp.asarray(case.v_pages))
   fast = xla.paged_decode_attention(*args, page_tables=case.page_tables,
-                                          context_lens=case.context_lens)
-  reference = attention.ragged_paged_attention(*args, **case.kwargs())
-  np.testing.assert_allclose(fast, reference, rtol=1e-5, atol=1e-6)
+                                    context_lens=case.context_lens)
+  oracle = reference.ragged_paged_attention(*args, **case.kwargs())
+  np.testing.assert_allclose(fast, oracle, rtol=1e-5, atol=1e-6)
 
 
 def scheduled(query_lens):

@@ -19,7 +19,7 @@ from configs import scheduler as scheduler_lib
 from configs import tiny
 from experiments import build
 from kvpage.device.attention import pallas as paged_attention
-from kvpage.device.attention import reference as attention
+from kvpage.device.attention import reference
 from kvpage.host.request import SamplingParams
 from models import llama
 
@@ -50,7 +50,7 @@ def test_pallas_and_reference_generate_the_same_greedy_tokens(monkeypatch):
   def checked_entry(*args, interpret, **kwargs):
     traces.append(interpret)
     out = kernel_entry(*args, interpret=interpret, **kwargs)
-    expected = attention.ragged_paged_attention(*args, **kwargs)
+    expected = reference.ragged_paged_attention(*args, **kwargs)
     error = jnp.max(jnp.abs(out - expected)) / jnp.maximum(jnp.max(jnp.abs(expected)), 1e-30)
     jax.debug.callback(lambda e: errors.append(float(e)), error)
     return out

@@ -1,0 +1,63 @@
+"""Paged attention: one entry point over an oracle, the XLA paths and the Pallas kernels.
+
+Every implementation computes the same thing, causal attention of a ragged batch of
+new tokens over a paged KV cache (the contract is written out in `reference.py`):
+
+  * `reference.py`: the oracle, `ragged_paged_attention`, written for clarity; with the
+    input checks, the token layout and the online-softmax update the others share.
+  * `xla.py`: the paths serving runs on XLA, `paged_decode_attention` for decode-only
+    steps and `ragged_blocked_attention` (by query blocks) for any step; both read one
+    layer straight out of the whole cache.
+  * `pallas/`: the GPU kernels (Flash-Decoding, and query blocks for mixed steps),
+    behind one entry, `pallas.ragged_paged_attention`.
+
+A model calls only `attention(impl, ...)`, with the whole cache and its layer, so the
+choice among implementations and their calling conventions lives here.
+"""
+
+import jax
+
+from kvpage.device.attention import reference, xla
+
+ATTENTION_IMPLS = ("xla", "reference", "pallas")
+
+
+def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, layer: int,
+              page_tables: jax.Array, context_lens: jax.Array, query_start_loc: jax.Array,
+              decode_only: bool) -> jax.Array:
+  """One layer's attention of a step's new tokens, by the implementation `impl`.
+
+  Args:
+    impl: one of `ATTENTION_IMPLS`: `xla` (the fast XLA paths), `reference` (the
+      oracle) or `pallas` (the kernels; interpreted when JAX's backend is the CPU).
+    q: `[num_tokens, num_heads, head_dim]`, in the cache's dtype.
+    k_pages, v_pages: the whole cache, `[num_layers, num_kv_heads, num_pages,
+      page_size, head_dim]`; `xla` reads layer `layer` in place, the others a slice.
+    layer: the layer to attend over (static).
+    page_tables, context_lens, query_start_loc: as in `reference.ragged_paged_attention`.
+    decode_only: a static Python bool: every sequence brings exactly one new token,
+      token `s` being sequence `s`'s. `xla` then takes its decode-only path.
+  Returns:
+    `[num_tokens, num_heads, head_dim]` in `q.dtype`.
+  Raises:
+    ValueError: `impl` is not one of `ATTENTION_IMPLS`.
+  """
+  if not isinstance(decode_only, bool):
+    # A traced flag cannot pick a code path at trace time; the batch's type carries it.
+    raise TypeError(f"decode_only must be a static Python bool, got {type(decode_only)}")
+  lengths = dict(page_tables=page_tables, context_lens=context_lens)
+  if impl == "xla" and decode_only:
+    return xla.paged_decode_attention(q, k_pages, v_pages, layer=layer, **lengths)
+  if impl == "xla":
+    return xla.ragged_blocked_attention(q, k_pages, v_pages, layer=layer, **lengths,
+                                        query_start_loc=query_start_loc)
+  if impl == "reference":
+    return reference.ragged_paged_attention(q, k_pages[layer], v_pages[layer], **lengths,
+                                            query_start_loc=query_start_loc)
+  if impl == "pallas":
+    from kvpage.device.attention import pallas  # Imported only when chosen.
+
+    return pallas.ragged_paged_attention(q, k_pages[layer], v_pages[layer], **lengths,
+                                         query_start_loc=query_start_loc,
+                                         interpret=jax.default_backend() == "cpu")
+  raise ValueError(f"unknown attention impl {impl!r}; choose one of: {', '.join(ATTENTION_IMPLS)}")

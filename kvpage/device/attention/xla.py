@@ -1,8 +1,18 @@
 """The XLA attention paths that serving runs: decode-only steps and query-blocked mixed steps.
 
-Both compute what the oracle in `reference.py` computes, faster on XLA:CPU: they gather
-each sequence's pages once, as whole rows of a 2-D view of the pool, instead of a copy
-per query token, and gather only as many pages as the batch's longest context needs.
+Both compute what the oracle `reference.ragged_paged_attention` computes, and fold KV
+tiles through the same online-softmax update (`reference.online_softmax_update`), but
+run faster on XLA:CPU: they gather each sequence's pages once, as whole rows of a 2-D
+view of the pool, instead of a copy per query token; they gather only as many pages as
+the batch's longest context needs; and they read one layer straight out of the whole
+cache `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` when given `layer`,
+so the step never copies a layer's pages.
+
+  * `paged_decode_attention`: every sequence brings exactly one token (the host says
+    so statically), so there is no ragged bookkeeping at all.
+  * `ragged_blocked_attention`: any batch; each sequence's new tokens are cut into
+    query blocks (`query_blocks`, a schedule the Pallas ragged kernel shares), and a
+    block reads its sequence's pages once for all its tokens.
 """
 
 import math
@@ -10,11 +20,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvpage.device.attention.reference import DEFAULT_TOKENS_PER_CHUNK, token_layout, validate
+from kvpage.device.attention import reference
+from kvpage.device.attention.reference import DEFAULT_TOKENS_PER_TILE
 
-# Measured on CPU (benchmarks/attention_cpu.py): chunks past ~128 tokens spill the gathered
-# keys out of cache and get slower, not faster; contexts that fit take a single pass.
-DECODE_TOKENS_PER_CHUNK = 128
+# Measured on CPU (benchmarks/attention_cpu.py): KV tiles past ~128 tokens spill the
+# gathered keys out of cache and get slower, not faster; contexts that fit take one pass.
+DECODE_TOKENS_PER_TILE = 128
+# Single-pass widths (in pages) the XLA paths pick from at run time; table_bucket's ladder.
+SPAN_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+MAX_QUERY_BLOCK = 16
+# Below this many query rows per table, products with the keys are multiply-and-reduce.
+MIN_MATMUL_ROWS = 8
 
 
 def gather_rows(pages: jax.Array, rows: jax.Array) -> jax.Array:
@@ -42,24 +58,30 @@ def decode_rows(page_tables: jax.Array, num_kv_heads: int, num_pages: int,
   of a `[num_layers, num_kv_heads, num_pages, ...]` pool (layer 0 for a one-layer pool).
 
   XLA fuses this arithmetic into the gather (an optimization barrier does not survive
-  XLA:CPU's pipeline); measured, that costs little next to moving the rows themselves.
+  XLA:CPU's pipeline); that costs little next to moving the rows themselves.
   """
   heads = (layer * num_kv_heads + jnp.arange(num_kv_heads, dtype=jnp.int32)) * num_pages
   return heads[:, None, None] + page_tables[None]
+
+
+def _layer_pool(pages: jax.Array, layer: int | None) -> jax.ShapeDtypeStruct:
+  """The shape and dtype of one layer's pages, `[num_kv_heads, num_pages, page_size,
+  head_dim]`, without slicing the whole cache (only the static check reads it)."""
+  return jax.ShapeDtypeStruct(pages.shape if layer is None else pages.shape[1:], pages.dtype)
 
 
 def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
                            page_tables: jax.Array, context_lens: jax.Array,
                            layer: int | None = None, sm_scale: float | None = None,
                            soft_cap: float | None = None,
-                           tokens_per_chunk: int = DECODE_TOKENS_PER_CHUNK) -> jax.Array:
+                           tokens_per_tile: int = DECODE_TOKENS_PER_TILE) -> jax.Array:
   """`ragged_paged_attention` for a decode-only batch: token `s` is sequence `s`'s one new token.
 
   The host knows when a step is decode-only (every scheduled sequence brings exactly
   one token) and says so statically, so this path drops the ragged bookkeeping: no
   token-to-sequence search, no causal mask (the new token is the last position), no
   per-token copy of the page table. Each sequence's pages are gathered as whole rows
-  and scored in one pass; contexts longer than `tokens_per_chunk` fold chunk by chunk
+  and scored in one pass; contexts longer than `tokens_per_tile` fold tile by tile
   into an online softmax, as the reference does, so memory stays bounded.
 
   Args:
@@ -71,54 +93,51 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   """
-  pool_k = k_pages if layer is None else k_pages[0]  # shapes only; never materialized
-  validate(q, pool_k, pool_k, page_tables, context_lens,
-           jnp.zeros(page_tables.shape[0] + 1, jnp.int32))
+  pool = _layer_pool(k_pages, layer)
+  num_seqs = page_tables.shape[0]
+  reference.validate_static(q, pool, _layer_pool(v_pages, layer), page_tables, context_lens,
+                            jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
   num_tokens, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = pool_k.shape
-  num_seqs = min(num_tokens, page_tables.shape[0])  # decode: seqs past num_tokens are empty
+  num_kv_heads, num_pages, page_size, _ = pool.shape
+  num_seqs = min(num_tokens, num_seqs)  # decode: seqs past num_tokens are empty
   rows = decode_rows(page_tables[:num_seqs], num_kv_heads, num_pages, layer or 0)
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   q_grouped = (q[:num_seqs].astype(jnp.float32) * sm_scale).reshape(
       num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(1, 0, 2, 3)
   out = _fold(q_grouped, k_pages, v_pages, rows, context_lens[:num_seqs, None],
-              max(1, tokens_per_chunk // page_size), soft_cap)
+              max(1, tokens_per_tile // page_size), soft_cap)
   out = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
   return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
 
 
-# Single-pass widths (in pages) the XLA paths pick from at run time; table_bucket's ladder.
-SPAN_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+def _fold(q_rows, k_pages, v_pages, rows, limits, pages_per_tile, soft_cap):
+  """`_fold_tiles` over only as many table entries as the longest context needs.
 
-
-def _fold(q_rows, k_pages, v_pages, rows, limits, pages_per_chunk, soft_cap):
-  """`_fold_chunks` over only as many table entries as the longest context needs.
-
-  Tables are pinned wide (the model's whole context), so a fixed first chunk would
+  Tables are pinned wide (the model's whole context), so a fixed first tile would
   gather and score pages that no sequence in the batch holds yet. A `lax.switch` on
   the pages the batch needs picks the smallest single-pass span of `SPAN_LADDER` that
   holds them (compiled into the same program: no recompilation as contexts grow), and
-  falls back to chunks of `pages_per_chunk` beyond. Measured on the tiny model at
-  batch 32 (2-core CPU): a decode step at 20-token contexts 2.31 -> 1.92 ms.
+  falls back to tiles of `pages_per_tile` beyond. Short contexts, the common decode
+  case, then read and score a few pages rather than the table's width.
   """
   page_size = k_pages.shape[-2]
-  spans = [span for span in SPAN_LADDER if span < min(pages_per_chunk, rows.shape[-1])]
+  spans = [span for span in SPAN_LADDER if span < min(pages_per_tile, rows.shape[-1])]
   if not spans:
-    return _fold_chunks(q_rows, k_pages, v_pages, rows, limits, pages_per_chunk, soft_cap)
+    return _fold_tiles(q_rows, k_pages, v_pages, rows, limits, pages_per_tile, soft_cap)
   needed = -(-jnp.max(limits, initial=0) // page_size)
   index = sum((needed > span).astype(jnp.int32) for span in spans)
 
   def branch(span):
     if span is None:
-      return lambda *args: _fold_chunks(*args, pages_per_chunk, soft_cap)
-    return lambda q, k, v, r, lim: _fold_chunks(q, k, v, r[..., :span], lim, span, soft_cap)
+      return lambda *args: _fold_tiles(*args, pages_per_tile, soft_cap)
+    return lambda q, k, v, r, lim: _fold_tiles(q, k, v, r[..., :span], lim, span, soft_cap)
 
   return jax.lax.switch(index, [branch(span) for span in spans] + [branch(None)],
                         q_rows, k_pages, v_pages, rows, limits)
 
 
-def _fold_chunks(q_rows, k_pages, v_pages, rows, limits, pages_per_chunk, soft_cap):
-  """Online softmax over chunks of `pages_per_chunk` table entries (one pass if it fits).
+def _fold_tiles(q_rows, k_pages, v_pages, rows, limits, pages_per_tile, soft_cap):
+  """Online softmax over KV tiles of `pages_per_tile` table entries (one pass if it fits).
 
   `q_rows: f32[num_kv_heads, n, m, head_dim]`: `m` query rows of each of `n` tables
   (a decode's query heads of one KV head, or a query block's tokens x heads); `rows`
@@ -127,53 +146,39 @@ def _fold_chunks(q_rows, k_pages, v_pages, rows, limits, pages_per_chunk, soft_c
   """
   num_kv_heads, num_tables, m, head_dim = q_rows.shape
   max_pages, page_size = rows.shape[-1], k_pages.shape[-2]
-  pages_per_chunk = min(pages_per_chunk, max_pages)
-  num_chunks_total = -(-max_pages // pages_per_chunk)
-  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, num_chunks_total * pages_per_chunk - max_pages)))
-  chunk_len = pages_per_chunk * page_size
-  kv_shape = (num_kv_heads, num_tables, chunk_len, head_dim)
+  pages_per_tile = min(pages_per_tile, max_pages)
+  num_tiles_total = -(-max_pages // pages_per_tile)
+  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, num_tiles_total * pages_per_tile - max_pages)))
+  tile_len = pages_per_tile * page_size
+  kv_shape = (num_kv_heads, num_tables, tile_len, head_dim)
 
-  def fold_chunk(chunk, carry):
-    running_max, denominator, accumulator = carry
-    chunk_rows = jax.lax.dynamic_slice_in_dim(rows, chunk * pages_per_chunk, pages_per_chunk, 2)
-    k = gather_rows(k_pages, chunk_rows).reshape(kv_shape).astype(jnp.float32)
-    v = gather_rows(v_pages, chunk_rows).reshape(kv_shape).astype(jnp.float32)
-    if m < 8:
+  def fold_tile(tile, state):
+    tile_rows = jax.lax.dynamic_slice_in_dim(rows, tile * pages_per_tile, pages_per_tile, 2)
+    k = gather_rows(k_pages, tile_rows).reshape(kv_shape).astype(jnp.float32)
+    v = gather_rows(v_pages, tile_rows).reshape(kv_shape).astype(jnp.float32)
+    if m < MIN_MATMUL_ROWS:
       # Multiply-and-reduce rather than einsum: XLA:CPU lowers these batched
       # matrix-vector products (a few rows against one table's keys) to a library call
       # per (head, table) pair, whose fixed cost dominates at decode sizes.
       scores = (q_rows[:, :, :, None, :] * k[:, :, None]).sum(axis=-1)
+      weigh_values = lambda probs: (probs[..., None] * v[:, :, None]).sum(axis=3)
     else:  # query blocks: real matrix products, worth the call
       scores = jnp.einsum("ntmd,ntcd->ntmc", q_rows, k)
+      weigh_values = lambda probs: jnp.einsum("ntmc,ntcd->ntmd", probs, v)
     if soft_cap is not None:
       scores = soft_cap * jnp.tanh(scores / soft_cap)
-    key_positions = chunk * chunk_len + jnp.arange(chunk_len)
-    visible = key_positions < limits[..., None]  # [n, m or 1, chunk]
+    key_positions = tile * tile_len + jnp.arange(tile_len)
+    visible = key_positions < limits[..., None]  # [n, m or 1, tile_len]
     scores = jnp.where(visible[None], scores, -jnp.inf)
-    new_max = jnp.maximum(running_max, scores.max(axis=-1))
-    safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
-    probs = jnp.exp(scores - safe_max[..., None])
-    rescale = jnp.exp(jnp.where(jnp.isfinite(running_max), running_max - safe_max, -jnp.inf))
-    if m < 8:
-      update = (probs[..., None] * v[:, :, None]).sum(axis=3)
-    else:
-      update = jnp.einsum("ntmc,ntcd->ntmd", probs, v)
-    return (new_max, denominator * rescale + probs.sum(axis=-1),
-            accumulator * rescale[..., None] + update)
+    return reference.online_softmax_update(state, scores, weigh_values)
 
-  stats_shape = (num_kv_heads, num_tables, m)
-  carry = (jnp.full(stats_shape, -jnp.inf, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-           jnp.zeros((*stats_shape, head_dim), jnp.float32))
-  if num_chunks_total == 1:
-    carry = fold_chunk(0, carry)
+  state = reference.init_softmax_state((num_kv_heads, num_tables, m), head_dim)
+  if num_tiles_total == 1:
+    state = fold_tile(0, state)
   else:
-    num_chunks = jnp.minimum(-(-jnp.max(limits, initial=0) // chunk_len), num_chunks_total)
-    carry = jax.lax.fori_loop(0, num_chunks, fold_chunk, carry)
-  _, denominator, accumulator = carry
-  return accumulator / jnp.where(denominator > 0, denominator, 1.0)[..., None]
-
-
-MAX_QUERY_BLOCK = 16
+    num_tiles = jnp.minimum(-(-jnp.max(limits, initial=0) // tile_len), num_tiles_total)
+    state = jax.lax.fori_loop(0, num_tiles, fold_tile, state)
+  return reference.normalize(state)
 
 
 def query_block_size(num_tokens: int, num_seqs: int) -> int:
@@ -189,65 +194,66 @@ def query_block_size(num_tokens: int, num_seqs: int) -> int:
 
 
 def query_blocks(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens: int,
-                 block: int) -> tuple[jax.Array, jax.Array]:
-  """Cuts every sequence's new tokens into blocks of at most `block` (traceable).
+                 query_block: int) -> tuple[jax.Array, jax.Array]:
+  """Cuts every sequence's new tokens into query blocks of at most `query_block` (traceable).
 
   Returns `schedule i32[num_blocks, 5]`, rows (seq, first token, number of real
   tokens, position of the first token, context length), unused rows all zero, for a
-  static `num_blocks = ceil(num_tokens / block) + num_seqs`; and `token_tiles
-  i32[num_tokens]`, each token's flat index `block_index * block + row` (-1 for
-  padding tokens). The XLA blocked path and the Pallas kernel share it.
+  static `num_blocks = ceil(num_tokens / query_block) + num_seqs`; and `block_rows
+  i32[num_tokens]`, each token's row `block_index * query_block + row` in the blocks'
+  stacked output (-1 for padding tokens). The XLA blocked path and the Pallas ragged
+  kernel share it.
   """
   num_seqs = context_lens.shape[0]
-  num_blocks = -(-num_tokens // block) + num_seqs
+  num_blocks = -(-num_tokens // query_block) + num_seqs
   query_lens = query_start_loc[1:] - query_start_loc[:-1]
-  blocks_per_seq = -(-query_lens // block)
+  blocks_per_seq = -(-query_lens // query_block)
   block_ends = jnp.cumsum(blocks_per_seq)
   first_block = block_ends - blocks_per_seq
   index = jnp.arange(num_blocks, dtype=jnp.int32)
   seq = jnp.minimum(jnp.searchsorted(block_ends, index, side="right"), num_seqs - 1)
   is_used = index < block_ends[-1]
-  offset = (index - first_block[seq]) * block  # the block's first token, in its query
+  offset = (index - first_block[seq]) * query_block  # the block's first token, in its query
   fields = [seq, query_start_loc[seq] + offset,
-            jnp.minimum(block, query_lens[seq] - offset),
+            jnp.minimum(query_block, query_lens[seq] - offset),
             context_lens[seq] - query_lens[seq] + offset, context_lens[seq]]
   schedule = jnp.stack([jnp.where(is_used, f, 0) for f in fields], axis=1).astype(jnp.int32)
 
-  seq_ids, _ = token_layout(query_start_loc, context_lens, num_tokens)
+  seq_ids, _ = reference.token_layout(query_start_loc, context_lens, num_tokens)
   safe = jnp.maximum(seq_ids, 0)
   in_query = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[safe]
-  tile = (first_block[safe] + in_query // block) * block + in_query % block
-  return schedule, jnp.where(seq_ids >= 0, tile, -1).astype(jnp.int32)
+  row = (first_block[safe] + in_query // query_block) * query_block + in_query % query_block
+  return schedule, jnp.where(seq_ids >= 0, row, -1).astype(jnp.int32)
 
 
 def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
                              page_tables: jax.Array, context_lens: jax.Array,
                              query_start_loc: jax.Array, layer: int | None = None,
                              sm_scale: float | None = None, soft_cap: float | None = None,
-                             block_size: int | None = None,
-                             tokens_per_chunk: int = DEFAULT_TOKENS_PER_CHUNK) -> jax.Array:
+                             query_block: int | None = None,
+                             tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE) -> jax.Array:
   """`ragged_paged_attention` by query blocks: the fast XLA path for mixed steps.
 
   The reference gathers a copy of the keys for every query token, so a prompt chunk of
   n tokens reads its context n times. Here each sequence's new tokens are cut into
-  blocks of `block_size` (default `query_block_size`); a block gathers its sequence's
-  pages once, as whole rows, and scores all its tokens against them with a causal
-  mask (key position <= query position). Blocks past the real ones, and rows past a
-  sequence's last token, are padding.
+  query blocks of `query_block` tokens (default `query_block_size`); a block gathers
+  its sequence's pages once, as whole rows, and scores all its tokens against them
+  with a causal mask (key position <= query position). Blocks past the real ones,
+  and rows past a sequence's last token, are padding.
 
   Arguments and result as in `ragged_paged_attention`; with `layer`, `k_pages` and
   `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place.
   """
-  pool_k = k_pages if layer is None else k_pages[0]  # shapes only; never materialized
-  validate(q, pool_k, pool_k, page_tables, context_lens, query_start_loc)
+  pool = _layer_pool(k_pages, layer)
+  reference.validate_static(q, pool, _layer_pool(v_pages, layer), page_tables, context_lens,
+                            query_start_loc)
   num_tokens, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = pool_k.shape
+  num_kv_heads, num_pages, page_size, _ = pool.shape
   group = num_heads // num_kv_heads
-  num_seqs = page_tables.shape[0]
-  block = block_size or query_block_size(num_tokens, num_seqs)
+  block = query_block or query_block_size(num_tokens, page_tables.shape[0])
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
 
-  schedule, token_tiles = query_blocks(query_start_loc, context_lens, num_tokens, block)
+  schedule, block_rows = query_blocks(query_start_loc, context_lens, num_tokens, block)
   num_blocks = schedule.shape[0]  # static
   seq, first_token, num_rows, first_position = (schedule[:, field] for field in range(4))
   offsets = jnp.arange(block, dtype=jnp.int32)
@@ -261,10 +267,10 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
       2, 0, 1, 3, 4).reshape(num_kv_heads, num_blocks, block * group, head_dim)
   rows = decode_rows(page_tables[seq], num_kv_heads, num_pages, layer or 0)
   out = _fold(q_rows, k_pages, v_pages, rows, limits,
-              max(1, tokens_per_chunk // page_size), soft_cap)
+              max(1, tokens_per_tile // page_size), soft_cap)
   out = out.reshape(num_kv_heads, num_blocks * block, group, head_dim).transpose(1, 0, 2, 3)
   out = out.reshape(num_blocks * block, num_heads, head_dim)
 
   # Back to token order; padding tokens read zeros.
-  out = jnp.where((token_tiles >= 0)[:, None, None], out[jnp.maximum(token_tiles, 0)], 0.0)
+  out = jnp.where((block_rows >= 0)[:, None, None], out[jnp.maximum(block_rows, 0)], 0.0)
   return out.astype(q.dtype)

@@ -1,12 +1,13 @@
-"""The kernel path's entry point: `ragged_paged_attention`, the reference's signature.
+"""The Pallas kernels' entry point: `ragged_paged_attention`, with the oracle's contract.
 
-`kvpage.device.attention.reference.ragged_paged_attention` is the oracle; this function has the same
-contract plus `interpret=` and is what the jitted step calls when the model config
-says `attention_impl = "pallas"`. It picks one of two Pallas kernels:
+It has the contract of `reference.ragged_paged_attention` plus `interpret=`, and is
+what `kvpage.device.attention.attention("pallas", ...)` calls (on one layer's pages,
+interpreted on CPU). It picks one of two Pallas kernels:
 
-  * every sequence has (at most) one new token -> `decode_attention`, the
+  * every sequence has (at most) one new token -> `decode.paged_decode_attention`, the
     Flash-Decoding kernel that reads each KV page once per KV head;
-  * otherwise (prefill, chunked prefill, mixed batches) -> `ragged_attention`.
+  * otherwise (prefill, chunked prefill, mixed batches) -> `ragged.ragged_mixed_attention`,
+    by query blocks.
 
 With concrete arguments the choice is made in Python; under `jit` (the serving step,
 where lengths are traced) it is a `lax.cond`, so one compiled step serves both kinds
@@ -14,14 +15,17 @@ of batch without retracing. A decode batch's new tokens may sit anywhere in `q` 
 host pads token counts and sequence counts to separate buckets), so the decode path
 gathers each sequence's row by `query_start_loc` and scatters the result back;
 padding rows stay zero, as in the reference.
+
+Each kernel module reads kernel body, `pallas_call` wrapper, then jitted API; the
+tests (`tests/test_kernels.py`) check all three against the one oracle,
+`reference.ragged_paged_attention`, rather than a per-kernel copy of it.
 """
 
 import jax
 import jax.numpy as jnp
 
-from kvpage.device.attention import reference as attention
-from kvpage.device.attention.pallas import decode as decode_attention
-from kvpage.device.attention.pallas import ragged as ragged_attention
+from kvpage.device.attention import reference
+from kvpage.device.attention.pallas import decode, ragged
 
 
 def _decode_rows(q, k_pages, v_pages, page_tables, context_lens, query_start_loc, *,
@@ -31,7 +35,7 @@ def _decode_rows(q, k_pages, v_pages, page_tables, context_lens, query_start_loc
   starts = query_start_loc[:-1]
   has_token = query_start_loc[1:] - starts == 1
   rows = jnp.where(has_token, starts, num_tokens)  # num_tokens: dropped by the scatter
-  out = decode_attention.paged_decode_attention(
+  out = decode.paged_decode_attention(
       q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, page_tables=page_tables,
       context_lens=jnp.where(has_token, context_lens, 0), sm_scale=sm_scale,
       soft_cap=soft_cap, interpret=interpret)
@@ -40,7 +44,7 @@ def _decode_rows(q, k_pages, v_pages, page_tables, context_lens, query_start_loc
 
 def _mixed(q, k_pages, v_pages, page_tables, context_lens, query_start_loc, *, sm_scale,
            soft_cap, interpret):
-  return ragged_attention.ragged_mixed_attention(
+  return ragged.ragged_mixed_attention(
       q, k_pages, v_pages, page_tables=page_tables, context_lens=context_lens,
       query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap,
       interpret=interpret)
@@ -65,7 +69,7 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   """
-  attention.validate(q, k_pages, v_pages, page_tables, context_lens, query_start_loc)
+  reference.validate_static(q, k_pages, v_pages, page_tables, context_lens, query_start_loc)
   if q.shape[0] == 0:
     return q
   operands = (q, k_pages, v_pages, jnp.asarray(page_tables, jnp.int32),
@@ -79,7 +83,3 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   return jax.lax.cond(jnp.all(query_lens <= 1),
                       lambda *args: _decode_rows(*args, **options),
                       lambda *args: _mixed(*args, **options), *operands)
-
-
-# The oracle both kernels are tested against: `kvpage.device.attention.reference`, unchanged.
-ragged_paged_attention_reference = ragged_attention.ragged_mixed_attention_reference

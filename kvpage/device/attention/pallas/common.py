@@ -1,15 +1,17 @@
 """Pieces the paged-attention kernels share: the online-softmax step, tiling, lowering.
 
-Both kernels (`decode_attention`, `ragged_attention`) walk a sequence's page table a
-block of pages at a time and fold each block of keys into a running softmax kept in
-fp32 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), so that one pass
-over the KV pages suffices whatever the context length. `online_softmax_step` is that
-fold, written once and traced into each kernel body.
+Both kernels (`decode.py`, `ragged.py`) walk a sequence's page table one KV tile (a few
+pages) at a time and fold each tile of keys into a running softmax kept in fp32
+(Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), so that one pass over the
+KV pages suffices whatever the context length. `online_softmax_step` is that fold for
+a kernel body: the two matmuls as Triton `tl.dot`s, around the same online-softmax
+update the oracle and the XLA paths use (`reference.online_softmax_update`).
 
 Lowering. Every kernel here is lowered with Pallas' **Triton** backend, selected
-explicitly by passing `triton.CompilerParams` (JAX's default GPU lowering has been
-Mosaic GPU since 0.9, and `pl.pallas_call` under Mosaic GPU is itself deprecated in
-favour of `plgpu.kernel`). The choice is deliberate:
+explicitly by passing `triton.CompilerParams`. Which backend a `pl.pallas_call` with no
+compiler parameters gets on GPU has changed across JAX releases (Mosaic GPU in some,
+where `pl.pallas_call` is deprecated in favour of `plgpu.kernel`; Triton in others), so
+the kernels do not rely on the default. Triton, deliberately:
   * The kernel body uses only generic Pallas (ref indexing, `dot_general`, `fori_loop`), so
     the *same* body runs in interpret mode on CPU, where CI checks it against the
     reference, and lowers to Triton IR, which a CPU machine can also check
@@ -22,7 +24,7 @@ favour of `plgpu.kernel`). The choice is deliberate:
     head. That is a different program, and one no CPU test can execute.
   * JAX's own `ops.gpu.paged_attention`, the baseline we benchmark against, uses the
     same backend and layout, so the comparison is like for like.
-The cost: the Triton backend is deprecated since JAX 0.11 and may go away. It is
+The cost: the Triton backend is deprecated (since JAX 0.11) and may go away. It is
 confined to `compiler_params` below; a `plgpu.kernel` port is the way out when it does.
 """
 
@@ -30,6 +32,8 @@ import math
 
 import jax
 import jax.numpy as jnp
+
+from kvpage.device.attention import reference
 
 try:  # The Triton backend may be removed from future JAX releases (see above).
   from jax.experimental.pallas import triton as pltriton
@@ -101,34 +105,20 @@ def _dot(a, b, *, contract_rhs: int, precision):
                              preferred_element_type=jnp.float32)
 
 
-def online_softmax_step(q, k, v, visible, carry, *, sm_scale: float,
-                        soft_cap: float | None, precision):
-  """Folds one block of keys into the running (max, denominator, accumulator).
+def online_softmax_step(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array,
+                        state: reference.SoftmaxState, *, sm_scale: float,
+                        soft_cap: float | None, precision) -> reference.SoftmaxState:
+  """Folds one KV tile into the running (max, denominator, accumulator) of a kernel body.
 
   Args:
-    q: `[rows, head_dim]` queries (input dtype); k, v: `[block_k, head_dim]`.
-    visible: bool, broadcastable to `[rows, block_k]`: which keys each row may see.
-    carry: `f32[rows]` running max (-inf before any visible key), `f32[rows]`
-      denominator, `f32[rows, head_dim]` unnormalised output.
+    q: `[rows, head_dim]` queries (input dtype); k, v: `[tile_len, head_dim]`.
+    visible: bool, broadcastable to `[rows, tile_len]`: which keys each row may see.
+    state: `reference.init_softmax_state((rows,), head_dim)` or a previous step's.
   """
-  running_max, denominator, accumulator = carry
-  scores = _dot(q, k, contract_rhs=1, precision=precision) * sm_scale  # f32[rows, block_k]
+  scores = _dot(q, k, contract_rhs=1, precision=precision) * sm_scale  # f32[rows, tile_len]
   if soft_cap is not None:
     scores = soft_cap * jnp.tanh(scores / soft_cap)
   scores = jnp.where(visible, scores, -jnp.inf)
-  new_max = jnp.maximum(running_max, scores.max(axis=-1))
-  # A row that has seen no key yet keeps max -inf; subtract 0 instead so exp gives 0s
-  # and never inf - inf = NaN. `running_max - safe_max` is then -inf -> rescale 0.
-  safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-  probs = jnp.exp(scores - safe_max[:, None])
-  rescale = jnp.exp(running_max - safe_max)
-  denominator = denominator * rescale + probs.sum(axis=-1)
   # FlashAttention feeds P to the second matmul in the input dtype (bf16 MMA on GPU).
-  accumulator = accumulator * rescale[:, None] + _dot(
-      probs.astype(v.dtype), v, contract_rhs=0, precision=precision)
-  return new_max, denominator, accumulator
-
-
-def init_carry(rows: int, head_dim: int):
-  return (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
-          jnp.zeros((rows, head_dim), jnp.float32))
+  return reference.online_softmax_update(state, scores, lambda probs: _dot(
+      probs.astype(v.dtype), v, contract_rhs=0, precision=precision))

@@ -6,12 +6,12 @@ bandwidth. Two things decide that:
 
   * **Read each page once per KV head.** A program owns one (sequence, KV head) pair
     and serves all `group = num_heads / num_kv_heads` query heads of that GQA group
-    from the same page reads, as one `[group, head_dim] x [head_dim, block_k]` matmul
+    from the same page reads, as one `[group, head_dim] x [head_dim, tile_len]` matmul
     (the group is zero-padded to 16 rows, the smallest Triton `tl.dot`; the padded
     rows cost FLOPs, which decode has to spare, not bytes).
   * **Split long contexts** (Flash-Decoding, Dao et al. 2023). With batch 1 and 8 KV
     heads there would be only 8 programs for 132 SMs, so the context is cut into
-    `num_splits` ranges of whole page blocks, each folded by its own program into an
+    `num_splits` ranges of whole KV tiles, each folded by its own program into an
     unnormalised output plus its softmax max and denominator; a small jnp epilogue
     merges the splits by log-sum-exp.
 
@@ -20,8 +20,10 @@ Kwon et al., SOSP'23, and JAX's own Pallas kernels); the BlockSpec hands each pr
 its KV head's whole pool and the kernel gathers pages through the page table.
 Accumulation is fp32 whatever the input dtype. See `common.py` for the lowering choice.
 
-Layout of this file (DESIGN.md): kernel body, `pallas_call` wrapper, public jitted API,
-`*_reference` oracle.
+The file reads top-down as JAX's Pallas ops do: the kernel body, its `pallas_call`
+wrapper, the split merge and tiling, then the public jitted `paged_decode_attention`.
+Its oracle is `reference.ragged_paged_attention` (one query row per sequence), which
+`tests/test_kernels.py` compares it with.
 """
 
 import functools
@@ -31,11 +33,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvpage.device.attention import reference as attention
+from kvpage.device.attention import reference
 from kvpage.device.attention.pallas import common
 
-# Keys per loop step for 2-byte dtypes (8 pages of 16, as JAX's Triton paged attention);
-# halved for fp32 so the K and V tiles still fit shared memory with 2 pipeline stages.
+# Keys per KV tile (one loop step) for 2-byte dtypes: 8 pages of 16, as JAX's Triton paged
+# attention. Halved for fp32 so the K and V tiles still fit shared memory with 2 stages.
 TOKENS_PER_TILE = 128
 
 
@@ -52,26 +54,26 @@ def _decode_kernel(context_len_ref, page_tables_ref, q_ref, k_pages_ref, v_pages
   split = pl.program_id(2)
   pages_per_split = page_tables_ref.shape[0]
   _, page_size, head_dim = k_pages_ref.shape
-  block_k = pages_per_tile * page_size
+  tile_len = pages_per_tile * page_size
   split_start = split * pages_per_split * page_size
   context_len = context_len_ref[0]
   # Splits past the end of a short sequence run zero iterations and report max -inf.
   split_len = jnp.clip(context_len - split_start, 0, pages_per_split * page_size)
   q = q_ref[...]
-  key_offsets = jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
+  key_offsets = jax.lax.broadcasted_iota(jnp.int32, (1, tile_len), 1)
 
-  def fold_block(block, carry):
-    pages = page_tables_ref[pl.ds(block * pages_per_tile, pages_per_tile)]
-    k = k_pages_ref[pages].reshape(block_k, head_dim)  # [block_k, head_dim]
-    v = v_pages_ref[pages].reshape(block_k, head_dim)
+  def fold_tile(tile, state):
+    pages = page_tables_ref[pl.ds(tile * pages_per_tile, pages_per_tile)]
+    k = k_pages_ref[pages].reshape(tile_len, head_dim)  # [tile_len, head_dim]
+    v = v_pages_ref[pages].reshape(tile_len, head_dim)
     # The one query sits at position context_len - 1: every earlier key is visible.
-    visible = split_start + block * block_k + key_offsets < context_len
-    return common.online_softmax_step(q, k, v, visible, carry, sm_scale=sm_scale,
+    visible = split_start + tile * tile_len + key_offsets < context_len
+    return common.online_softmax_step(q, k, v, visible, state, sm_scale=sm_scale,
                                       soft_cap=soft_cap, precision=precision)
 
-  carry = common.init_carry(q.shape[0], head_dim)
+  state = reference.init_softmax_state((q.shape[0],), head_dim)
   running_max, denominator, acc = jax.lax.fori_loop(
-      0, common.cdiv(split_len, block_k), fold_block, carry)
+      0, common.cdiv(split_len, tile_len), fold_tile, state)
   max_ref[...] = running_max
   denominator_ref[...] = denominator
   acc_ref[...] = acc
@@ -140,13 +142,13 @@ def decode_tiling(num_seqs: int, num_kv_heads: int, max_pages: int, page_size: i
   if pages_per_tile is None:
     pages_per_tile = common.pages_per_tile(page_size, max_pages,
                                              TOKENS_PER_TILE * 2 // max(itemsize, 2))
-  num_blocks = common.cdiv(max_pages, pages_per_tile)
+  num_tiles = common.cdiv(max_pages, pages_per_tile)
   if num_splits is None:
     num_splits = common.cdiv(common.TARGET_PROGRAMS, num_seqs * num_kv_heads)
-  num_splits = max(1, min(num_splits, num_blocks))
-  blocks_per_split = common.cdiv(num_blocks, num_splits)
-  num_splits = common.cdiv(num_blocks, blocks_per_split)  # no split left empty by rounding
-  return pages_per_tile, num_splits, blocks_per_split * pages_per_tile
+  num_splits = max(1, min(num_splits, num_tiles))
+  tiles_per_split = common.cdiv(num_tiles, num_splits)
+  num_splits = common.cdiv(num_tiles, tiles_per_split)  # no split left empty by rounding
+  return pages_per_tile, num_splits, tiles_per_split * pages_per_tile
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "num_splits",
@@ -164,7 +166,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     k_pages, v_pages: `[num_kv_heads, num_pages, page_size, head_dim]`.
     page_tables: `i32[num_seqs, max_pages_per_seq]`, padded with the null page 0.
     context_lens: `i32[num_seqs]`; a length of 0 (a padded sequence) gives zeros.
-    sm_scale, soft_cap: as in `kvpage.device.attention.reference.ragged_paged_attention`.
+    sm_scale, soft_cap: as in `reference.ragged_paged_attention`.
     num_splits, pages_per_tile: tiling overrides (default: `decode_tiling`).
     interpret: run the Pallas interpreter (CPU) instead of the Triton GPU kernel.
   Returns:
@@ -190,13 +192,3 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   out = merge_splits(acc, running_max, denominator)[:, :, :group]  # [seqs, kv, group, d]
   return out.reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
 
-
-def paged_decode_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                                     page_tables: jax.Array, context_lens: jax.Array,
-                                     sm_scale: float | None = None,
-                                     soft_cap: float | None = None) -> jax.Array:
-  """The oracle: kvpage's reference ragged attention with one query row per sequence."""
-  query_start_loc = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)
-  return attention.ragged_paged_attention(
-      q, k_pages, v_pages, page_tables=page_tables, context_lens=context_lens,
-      query_start_loc=query_start_loc, sm_scale=sm_scale, soft_cap=soft_cap)
