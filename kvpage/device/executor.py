@@ -5,10 +5,9 @@ the sequences that sample this step (a list of tokens for a multi-step decode). 
 scheduler and engine never see what is behind it, so a simulated GPU
 (`kvpage.sim.executor`) can stand in for a real model.
 
-`JaxExecutor` owns the params, the device cache, a host page pool for swapping, and
-the jitted step. Swap copies run before the step, swap-outs first (a step may reuse
-pages a swap-out just vacated); the page lists are padded to power-of-two buckets
-with the null page so copies, like steps, do not recompile.
+`JaxExecutor` owns the params, the device cache, a host page pool for swapping
+(`kvpage.device.cache.HostSwapPool`), and the jitted step. Swap copies run before the
+step, swap-outs first (a step may reuse pages a swap-out just vacated).
 
 It also splits `execute` in two for async scheduling: `submit` launches the step and
 returns at once (a `Ticket`), `collect` waits for its sampled ids. The engine
@@ -38,16 +37,6 @@ class Ticket:
   info: batch_lib.BatchInfo | None
 
 
-def _gather_pages(cache: paged_cache.PagedKVCache, pages: jax.Array):
-  return cache.k_pages[:, :, pages], cache.v_pages[:, :, pages]
-
-
-def _scatter_pages(cache: paged_cache.PagedKVCache, pages: jax.Array, k: jax.Array,
-                   v: jax.Array) -> paged_cache.PagedKVCache:
-  return cache.replace(k_pages=cache.k_pages.at[:, :, pages].set(k),
-                       v_pages=cache.v_pages.at[:, :, pages].set(v))
-
-
 class JaxExecutor:
   """A model's forward function, its params and a paged cache behind the executor protocol."""
 
@@ -57,12 +46,7 @@ class JaxExecutor:
     self.cache = cache
     self.buckets = buckets or batch_lib.DEFAULT_BUCKETS
     self.step = Step(forward)
-    shape = (cache.num_layers, cache.num_kv_heads, num_host_pages, cache.page_size,
-             cache.head_dim)
-    self.host_k = np.zeros(shape, cache.dtype)
-    self.host_v = np.zeros(shape, cache.dtype)
-    self._gather = jax.jit(_gather_pages)
-    self._scatter = jax.jit(_scatter_pages, donate_argnums=0)
+    self.host_pool = paged_cache.HostSwapPool(cache, num_host_pages)
     self.num_launches = 0
     self._feed: jax.Array | None = None  # the last launched step's sampled ids (device)
     self._feed_rows: dict[str, int] = {}  # request -> its row in `_feed`
@@ -80,8 +64,8 @@ class JaxExecutor:
 
   def submit(self, output: SchedulerOutput) -> Ticket:
     """Runs the page copies and launches the step, without waiting for its result."""
-    self.swap_out(output.swap_out)
-    self.swap_in(output.swap_in)
+    self.host_pool.swap_out(self.cache, output.swap_out)
+    self.cache = self.host_pool.swap_in(self.cache, output.swap_in)
     if not output.scheduled:
       return Ticket(None, None)
     batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
@@ -140,33 +124,3 @@ class JaxExecutor:
     if self._feed is not None:
       self._feed.block_until_ready()
     return count
-
-  def swap_out(self, copies: list[tuple[int, int]]) -> None:
-    """Copies device pages to host pages: `[(device_page, host_page), ...]`."""
-    if not copies:
-      return
-    device_pages = self._padded([device for device, _ in copies])
-    k, v = jax.device_get(self._gather(self.cache, device_pages))
-    host_pages = [host for _, host in copies]
-    self.host_k[:, :, host_pages] = k[:, :, :len(copies)]
-    self.host_v[:, :, host_pages] = v[:, :, :len(copies)]
-
-  def swap_in(self, copies: list[tuple[int, int]]) -> None:
-    """Copies host pages back to device pages: `[(host_page, device_page), ...]`."""
-    if not copies:
-      return
-    device_pages = self._padded([device for _, device in copies])
-    size = len(device_pages)
-    k = np.zeros((*self.host_k.shape[:2], size, *self.host_k.shape[3:]), self.host_k.dtype)
-    v = np.zeros_like(k)
-    host_pages = [host for host, _ in copies]
-    k[:, :, :len(copies)] = self.host_k[:, :, host_pages]
-    v[:, :, :len(copies)] = self.host_v[:, :, host_pages]
-    # Padding rows write zeros into the null page, which no real token reads.
-    self.cache = self._scatter(self.cache, device_pages, k, v)
-
-  @staticmethod
-  def _padded(pages: list[int]) -> np.ndarray:
-    padded = np.full(batch_lib.page_bucket(len(pages)), paged_cache.NULL_PAGE, np.int32)
-    padded[:len(pages)] = pages
-    return padded
