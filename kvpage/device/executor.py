@@ -1,20 +1,15 @@
-"""Executors run a `SchedulerOutput`: `JaxExecutor` on a real model over the paged cache.
+"""`JaxExecutor`: the `Executor` contract over a real model and the paged cache.
 
-An executor answers one call, `execute(output) -> {request_id: sampled token}`, for
-the sequences that sample this step (a list of tokens for a multi-step decode). The
-scheduler and engine never see what is behind it, so a simulated GPU
-(`kvpage.sim.executor`) can stand in for a real model.
-
-`JaxExecutor` owns the params, the device cache, a host page pool for swapping
-(`kvpage.device.cache.HostSwapPool`), and the jitted step. Swap copies run before the
+The executor owns the params, the device cache, a host page pool for swapping
+(`kvpage.device.cache.HostSwapPool`) and the jitted step. Swap copies run before the
 step, swap-outs first (a step may reuse pages a swap-out just vacated).
 
-It also splits `execute` in two for async scheduling: `submit` launches the step and
-returns at once (a `Ticket`), `collect` waits for its sampled ids. The engine
-schedules and launches step N+1 before collecting step N, so the host's work hides
-behind the device's; step N+1 reads the tokens step N sampled straight from its
-device output (`kvpage.device.step`). Device work runs in launch order, so a page freed on
-the host while a step in flight still writes it is only reused by a later step.
+`submit` launches a step and returns at once (a `Ticket`); `collect` waits for its
+sampled ids; `execute` is one after the other. Under async scheduling the engine
+launches step N+1 before collecting step N, so the host's work hides behind the
+device's; step N+1 reads the tokens step N sampled straight from its device output
+(`kvpage.device.step`). Device work runs in launch order, so a page freed on the host
+while a step in flight still writes it is only reused by a later step.
 """
 
 import dataclasses
@@ -26,7 +21,7 @@ import numpy as np
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
 from kvpage.device.step import ForwardFn, Step
-from kvpage.interface import SchedulerOutput
+from kvpage.interface import Executor, Samples, SchedulerOutput
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +32,8 @@ class Ticket:
   info: batch_lib.BatchInfo | None
 
 
-class JaxExecutor:
-  """A model's forward function, its params and a paged cache behind the executor protocol."""
+class JaxExecutor(Executor):
+  """A model's forward function, its params and a paged cache behind `Executor`."""
 
   def __init__(self, forward: ForwardFn, params: Any, cache: paged_cache.PagedKVCache, *,
                num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None):
@@ -47,7 +42,7 @@ class JaxExecutor:
     self.buckets = buckets or batch_lib.DEFAULT_BUCKETS
     self.step = Step(forward)
     self.host_pool = paged_cache.HostSwapPool(cache, num_host_pages)
-    self.num_launches = 0
+    self.num_launches = 0  # steps launched (a multi-step decode is one launch)
     self._feed: jax.Array | None = None  # the last launched step's sampled ids (device)
     self._feed_rows: dict[str, int] = {}  # request -> its row in `_feed`
 
@@ -59,15 +54,15 @@ class JaxExecutor:
   def num_compiles(self) -> int:
     return self.step.num_compiles
 
-  def execute(self, output: SchedulerOutput) -> dict[str, int]:
-    return self.collect(self.submit(output))
-
   def submit(self, output: SchedulerOutput) -> Ticket:
     """Runs the page copies and launches the step, without waiting for its result."""
     self.host_pool.swap_out(self.cache, output.swap_out)
     self.cache = self.host_pool.swap_in(self.cache, output.swap_in)
     if not output.scheduled:
       return Ticket(None, None)
+    return self._launch(output)
+
+  def _launch(self, output: SchedulerOutput) -> Ticket:
     batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
                                   buckets=self.buckets, feed_rows=self._feed_rows)
     if output.num_steps > 1:  # multi-step decoding: samples [num_steps, feed_width]
@@ -84,10 +79,10 @@ class JaxExecutor:
     self.num_launches += 1
     return Ticket(tokens, info)
 
-  def collect(self, ticket: Ticket) -> dict[str, int | list[int]]:
+  def collect(self, ticket: Ticket) -> Samples:
     """Waits for a launched step: a sampled token per sequence that samples (a list of
     its `num_steps` tokens for a multi-step sequence)."""
-    if ticket.tokens is None:
+    if ticket.tokens is None or ticket.info is None:
       return {}
     info = ticket.info
     tokens = np.asarray(ticket.tokens)
