@@ -147,8 +147,13 @@ class Engine:
     return requests
 
   def run_until_done(self) -> None:
-    """Steps until no request is left; raises if the loop stops making progress."""
-    while self.scheduler.has_unfinished():
+    """Steps until no request is left and no launched step is uncollected; raises if the
+    loop stops making progress."""
+    # `has_unfinished` counts the step in flight: under async scheduling the last request
+    # may finish (a stop token) while the step after it is launched, and that step
+    # must still be collected. Collecting it is progress: `idle_steps` counts only
+    # steps that launch nothing while nothing is in flight.
+    while self.has_unfinished():
       self.step()
       if self.idle_steps > MAX_IDLE_STEPS:
         raise RuntimeError(f"no progress in {MAX_IDLE_STEPS} steps with "
