@@ -10,18 +10,31 @@ launches step N+1 before collecting step N, so the host's work hides behind the
 device's; step N+1 reads the tokens step N sampled straight from its device output
 (`kvpage.device.step`). Device work runs in launch order, so a page freed on the host
 while a step in flight still writes it is only reused by a later step.
+
+Every call runs under `jax.transfer_guard("disallow")`: an implicit host<->device
+copy (a numpy array or Python scalar handed to a jitted function, an array read
+back with `np.asarray`) is an error on the serving path, not a silent stall. The
+transfers the design calls for are explicit: the step's batch (`jax.device_put` in
+`kvpage.device.step`), the sampled ids (`jax.device_get`, after the copy that
+`submit` starts early), and the swap copies (`HostSwapPool`). Guarding the executor,
+rather than one experiment's loop, covers every real run, whoever drives the engine.
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
 from kvpage.device.step import ForwardFn, Step
 from kvpage.interface import Executor, Samples, SchedulerOutput
+
+
+def transfer_guard() -> contextlib.AbstractContextManager[None]:
+  """A context that refuses implicit host<->device transfers; explicit ones still run."""
+  return jax.transfer_guard("disallow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +50,9 @@ class JaxExecutor(Executor):
 
   def __init__(self, forward: ForwardFn, params: Any, cache: paged_cache.PagedKVCache, *,
                num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None):
-    self.params = params
+    # Once, explicitly: params handed over as numpy would otherwise cross to the
+    # device at every step.
+    self.params = jax.device_put(params)
     self.cache = cache
     self.buckets = buckets or batch_lib.DEFAULT_BUCKETS
     self.step = Step(forward)
@@ -56,11 +71,12 @@ class JaxExecutor(Executor):
 
   def submit(self, output: SchedulerOutput) -> Ticket:
     """Runs the page copies and launches the step, without waiting for its result."""
-    self.host_pool.swap_out(self.cache, output.swap_out)
-    self.cache = self.host_pool.swap_in(self.cache, output.swap_in)
-    if not output.scheduled:
-      return Ticket(None, None)
-    return self._launch(output)
+    with transfer_guard():
+      self.host_pool.swap_out(self.cache, output.swap_out)
+      self.cache = self.host_pool.swap_in(self.cache, output.swap_in)
+      if not output.scheduled:
+        return Ticket(None, None)
+      return self._launch(output)
 
   def _launch(self, output: SchedulerOutput) -> Ticket:
     batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
@@ -72,7 +88,7 @@ class JaxExecutor(Executor):
       tokens, self.cache = self.step.dispatch(self.params, self.cache, batch,
                                               info.all_greedy, self._feed)
       feed = tokens
-    tokens.copy_to_host_async()
+    tokens.copy_to_host_async()  # started now, so `collect` finds the ids on the host
     self._feed = feed
     self._feed_rows = {request_id: row for row, (request_id, samples)
                        in enumerate(zip(info.request_ids, info.samples)) if samples}
@@ -85,7 +101,8 @@ class JaxExecutor(Executor):
     if ticket.tokens is None or ticket.info is None:
       return {}
     info = ticket.info
-    tokens = np.asarray(ticket.tokens)
+    with transfer_guard():
+      tokens = jax.device_get(ticket.tokens)
     if tokens.ndim == 1:
       return {request_id: token for request_id, token, samples
               in zip(info.request_ids, tokens[:info.num_seqs].tolist(), info.samples)
@@ -106,16 +123,17 @@ class JaxExecutor(Executor):
     shapes = self.buckets.warmup_shapes(max_num_seqs, max_num_batched_tokens)
     width = self.buckets.table_width(1)
     count = 0
-    for num_tokens, num_seqs, decode_only in shapes:
-      batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
-      for greedy in all_greedy:  # fed like serving steps, so their programs match
-        self._feed, self.cache = self.step.dispatch(self.params, self.cache, batch, greedy,
-                                                    self._feed)
-        count += 1
-        if decode_only and num_decode_steps > 1:
-          _, self._feed, self.cache = self.step.dispatch_multi(
-              self.params, self.cache, batch, greedy, self._feed, num_decode_steps)
+    with transfer_guard():
+      for num_tokens, num_seqs, decode_only in shapes:
+        batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
+        for greedy in all_greedy:  # fed like serving steps, so their programs match
+          self._feed, self.cache = self.step.dispatch(self.params, self.cache, batch, greedy,
+                                                      self._feed)
           count += 1
-    if self._feed is not None:
-      self._feed.block_until_ready()
+          if decode_only and num_decode_steps > 1:
+            _, self._feed, self.cache = self.step.dispatch_multi(
+                self.params, self.cache, batch, greedy, self._feed, num_decode_steps)
+            count += 1
+      if self._feed is not None:
+        self._feed.block_until_ready()
     return count
