@@ -11,9 +11,10 @@ device's; step N+1 reads the tokens step N sampled straight from its device outp
 (`kvpage.device.step`). Device work runs in launch order, so a page freed on the host
 while a step in flight still writes it is only reused by a later step.
 
-Every call runs under `jax.transfer_guard("disallow")`: an implicit host<->device
-copy (a numpy array or Python scalar handed to a jitted function, an array read
-back with `np.asarray`) is an error on the serving path, not a silent stall. The
+`submit`, `collect` and `warmup` run under `jax.transfer_guard("disallow")`: an
+implicit host<->device copy (a numpy array or Python scalar handed to a jitted
+function; on an accelerator, an array read back with `np.asarray`) is an error on
+the serving path, not a silent stall. The
 transfers the design calls for are explicit: the step's batch (`jax.device_put` in
 `kvpage.device.step`), the sampled ids (`jax.device_get`, after the copy that
 `submit` starts early), and the swap copies (`HostSwapPool`). Guarding the executor,
