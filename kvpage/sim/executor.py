@@ -17,7 +17,7 @@ The roofline (Williams et al., CACM 2009): a step takes the longer of
     the new tokens' keys and values written, over HBM bandwidth x efficiency;
 plus a fixed per-step overhead, plus swap copies over the host link. Prefill (many
 tokens, one pass over the weights) comes out compute-bound and decode (one token
-per sequence, every weight and KV byte re-read) bandwidth-bound, as in the mission.
+per sequence, every weight and KV byte re-read) bandwidth-bound.
 
 Under the `Executor` contract a simulated step has no device to wait for: `submit`
 runs it (the clock advances then) and its ticket is the samples, which `collect`
