@@ -108,12 +108,12 @@ def main(argv: list[str]) -> None:
     return SamplingParams(max_tokens=item.output_len, seed=_SEED.value,
                           stop_token_ids=stop_ids, ignore_eos=_IGNORE_EOS.value)
 
-  if _EXECUTOR.value == "jax" and _WARMUP.value:
+  executor = setup.engine.executor
+  if _WARMUP.value:  # the simulator compiles nothing: its warm-up is a no-op
     scheduler_config = setup.config.scheduler
-    setup.engine.executor.warmup(scheduler_config.max_num_seqs,
-                                 scheduler_config.max_num_batched_tokens,
-                                 num_decode_steps=scheduler_config.num_decode_steps)
-  compiles_before = getattr(setup.engine.executor, "num_compiles", 0)
+    executor.warmup(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
+                    num_decode_steps=scheduler_config.num_decode_steps)
+  compiles_before = executor.num_compiles
   # The clock of record starts here, after set-up and warm-up.
   recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock)
   setup.engine.on_step = recorder.on_step
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
   replay.replay(setup.engine, trace, make_sampling=make_sampling, on_submit=recorder.track,
                 on_step=show_progress)
   bar.close()
-  compiles_during_run = getattr(setup.engine.executor, "num_compiles", 0) - compiles_before
+  compiles_during_run = executor.num_compiles - compiles_before
   record = dict(
       executor=_EXECUTOR.value, model=setup.config.model.to_dict(),
       dtype=setup.config.model.dtype, hardware=setup.hardware_record,

@@ -12,12 +12,19 @@ Under multi-step decoding (`scheduler.num_decode_steps`) one output is one launc
 computes `ScheduledSequence.num_steps` positions, and the executor answers with that
 many tokens for it (`tokens_of`).
 
+`Executor` is the contract on the other side: every verb the engine and the
+experiments call on whatever runs the steps (`kvpage.device.executor.JaxExecutor`,
+`kvpage.sim.executor.SimExecutor`, the tests' fake), declared here so that no caller
+has to probe an executor for what it can do.
+
 Nothing here is device-specific: plain ints and lists, so the same output drives a
 jitted model step or a simulated GPU.
 """
 
+import abc
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from kvpage.host.admission import Admission
 from kvpage.host.request import Request
@@ -88,8 +95,9 @@ class SchedulerOutput:
 def tokens_of(sampled: int | Sequence[int]) -> list[int]:
   """An executor's answer for one sequence as a list: its token, or a multi-step
   sequence's `num_steps` tokens in order."""
-  return [int(token) for token in sampled] if isinstance(sampled, (list, tuple)) else [
-      int(sampled)]
+  if isinstance(sampled, Sequence):
+    return [int(token) for token in sampled]
+  return [int(sampled)]
 
 
 def make_sequence(request: Request, num_new: int) -> ScheduledSequence:
@@ -100,3 +108,41 @@ def make_sequence(request: Request, num_new: int) -> ScheduledSequence:
       request.request_id, request.token_ids(start, stop), start, list(request.page_ids),
       stop == request.num_tokens, num_new > 1 or start < len(request.prompt_ids), request,
       request.num_sampled)
+
+
+# An executor's answer for one step: for each sequence that samples, its token, or for a
+# multi-step decode (`SchedulerOutput.num_steps > 1`) the list of its `num_steps` tokens.
+Samples = dict[str, int | list[int]]
+
+
+class Executor(abc.ABC):
+  """What runs the steps the scheduler plans, on a device or on a model of one.
+
+  A step's page copies run before it, swap-outs first (`SchedulerOutput`). Steps run
+  in submission order, so a step may read what an earlier, uncollected one wrote.
+  The synchronous loop calls `execute`; async scheduling (`Engine(async_scheduling=
+  True)`) calls `submit` for step N+1 before `collect` for step N, and collects every
+  ticket it submits, once.
+  """
+
+  def execute(self, output: SchedulerOutput) -> Samples:
+    """Runs the step and waits for it: `collect(submit(output))`; returns its samples."""
+    return self.collect(self.submit(output))
+
+  @abc.abstractmethod
+  def submit(self, output: SchedulerOutput) -> Any:
+    """Launches the step without waiting for it; returns the ticket `collect` takes."""
+
+  @abc.abstractmethod
+  def collect(self, ticket: Any) -> Samples:
+    """Waits for a submitted step; returns its samples."""
+
+  @abc.abstractmethod
+  def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
+             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
+    """Compiles every step a scheduler with these limits can launch; returns how many."""
+
+  @property
+  @abc.abstractmethod
+  def num_compiles(self) -> int:
+    """Programs compiled so far (0 for an executor that compiles nothing)."""

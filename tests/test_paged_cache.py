@@ -92,3 +92,54 @@ def test_write_is_in_place_under_donation():
   assert cache.k_pages.unsafe_buffer_pointer() == pointer  # donated: updated in place
   flat = np.asarray(cache.k_pages[1]).reshape(2, 32, 64)
   assert np.all(flat[:, 4:9] == 1) and np.all(flat[:, 9:14] == 2) and not np.any(flat[:, 14:])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_swap_pool_round_trips_pages_and_pads_into_the_null_page(dtype):
+  config = {**MODEL, "num_layers": 2}
+  rng = np.random.default_rng(0)
+  cache = paged_cache.init(config, num_pages=10, page_size=4, dtype=dtype)
+  shape, np_dtype = cache.k_pages.shape, cache.dtype
+  k = rng.standard_normal(shape).astype(np_dtype)
+  v = rng.standard_normal(shape).astype(np_dtype)
+  cache = cache.replace(k_pages=jax.device_put(k), v_pages=jax.device_put(v))
+  pool = paged_cache.HostSwapPool(cache, num_pages=6)
+  copies_out = [(3, 5), (7, 0), (2, 2)]  # three copies: padded to four with the null page
+  with jax.transfer_guard("disallow"):  # every copy is an explicit transfer
+    pool.swap_out(cache, copies_out)
+  for device_page, host_page in copies_out:
+    assert pool.k[:, :, host_page].tobytes() == k[:, :, device_page].tobytes()
+    assert pool.v[:, :, host_page].tobytes() == v[:, :, device_page].tobytes()
+  assert not np.any(pool.k[:, :, [1, 3, 4]].astype(np.float32))  # other host pages untouched
+
+  # Back into other device pages of a cache whose every page, null page included,
+  # holds 7s: the copies land where asked, padding only zeroes the null page.
+  target = paged_cache.init(config, num_pages=10, page_size=4, dtype=dtype)
+  sevens = np.full(shape, 7, np_dtype)
+  target = target.replace(k_pages=jax.device_put(sevens), v_pages=jax.device_put(sevens))
+  copies_in = [(5, 8), (0, 1), (2, 4)]
+  with jax.transfer_guard("disallow"):
+    target = pool.swap_in(target, copies_in)
+  k_back, v_back = np.asarray(target.k_pages), np.asarray(target.v_pages)
+  for (_, device_page), (source, _) in zip(copies_in, copies_out):
+    assert k_back[:, :, device_page].tobytes() == k[:, :, source].tobytes()
+    assert v_back[:, :, device_page].tobytes() == v[:, :, source].tobytes()
+  assert not np.any(k_back[:, :, paged_cache.NULL_PAGE].astype(np.float32))
+  untouched = [page for page in range(1, 10) if page not in (8, 1, 4)]
+  assert k_back[:, :, untouched].tobytes() == sevens[:, :, untouched].tobytes()
+  assert v_back[:, :, untouched].tobytes() == sevens[:, :, untouched].tobytes()
+
+
+def test_swap_pool_copies_compile_once_per_power_of_two():
+  cache = paged_cache.init({**MODEL, "num_layers": 1}, num_pages=12, page_size=2)
+  pool = paged_cache.HostSwapPool(cache, num_pages=8)
+  # jit caches per function, across pools: count the programs this test adds.
+  before = pool._scatter._cache_size(), pool._gather._cache_size()
+  compiles = []
+  for count in (3, 4, 2, 5):
+    cache = pool.swap_in(cache, [(i, 1 + i) for i in range(count)])
+    pool.swap_out(cache, [(1 + i, i) for i in range(count)])
+    compiles.append((pool._scatter._cache_size() - before[0],
+                     pool._gather._cache_size() - before[1]))
+  # 3 and 4 copies share the 4-page program; 2 and 5 need their own (2, then 8).
+  assert compiles == [(1, 1), (1, 1), (2, 2), (3, 3)]

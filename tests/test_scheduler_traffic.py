@@ -1,57 +1,37 @@
 """Random traffic against tiny pools: the scheduler's invariants hold after every step.
 
 Hypothesis draws the knobs (both prefill policies, all three preemption modes, pools
-of a few pages that force pressure, small host pools) and a traffic plan (arrivals
-with random lengths and priorities, stop tokens, aborts). A fake executor plays the
-device: it writes (request, position, token) into the KV slot of every computed
-token, performs the swap copies, and before each step checks that every earlier
-position of the sequence still reads back what was written. That catches any page
-handed to two requests, any swap that lost a page, and any recompute that skipped a
-token — the cache content itself is the oracle.
+of a few pages that force pressure, small host pools, synchronous or async
+scheduling, one or several decode iterations per launch) and a traffic plan
+(arrivals with random lengths and priorities, stop tokens, aborts), and runs it
+through an `Engine` over the tests' fake executor (`engine_utils.FakeExecutor`). The
+fake plays the device: it writes (request, position, token) into the KV slot of
+every computed token, performs the swap copies, and before each step checks that
+every earlier position of the sequence still reads back what was written, and that
+every token it is fed, placeholders of async scheduling included, is the model's.
+That catches any page handed to two requests, any swap that lost a page, any
+recompute that skipped a token and any token lost or fed twice — the cache content
+itself is the oracle.
 """
 
 import dataclasses
 import random
+import zlib
 
 import pytest
+from engine_utils import FakeExecutor, expected_token
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from configs import scheduler as scheduler_config
 from kvpage.host import scheduler_config as policy
+from kvpage.host.engine import Engine, RequestOutput
 from kvpage.host.pages import NULL_PAGE
 from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Scheduler, SchedulerOutput
 
 MAX_MODEL_LEN = 64
 STOP_TOKEN = 0
-
-
-class FakeExecutor:
-  """Device and host KV pages as Python lists; checks reads, performs writes and copies."""
-
-  def __init__(self, scheduler: Scheduler):
-    bm = scheduler.page_pool
-    self.page_size = bm.page_size
-    self.device = [[None] * bm.page_size for _ in range(bm.num_pages)]
-    self.host = [[None] * bm.page_size for _ in range(bm.num_host_pages)]
-
-  def run(self, out: SchedulerOutput) -> None:
-    for device_page, host_page in out.swap_out:  # swap-out copies first...
-      self.host[host_page] = list(self.device[device_page])
-    for host_page, device_page in out.swap_in:  # ...then swap-in, then the step
-      self.device[device_page] = list(self.host[host_page])
-    for seq in out.scheduled:
-      tokens = seq.request.all_token_ids
-      assert NULL_PAGE not in seq.page_ids
-      assert seq.token_ids == tokens[seq.start_position:seq.start_position + len(seq.token_ids)]
-      for position in range(seq.start_position + len(seq.token_ids)):
-        page = seq.page_ids[position // self.page_size]
-        slot = self.device[page]
-        if position < seq.start_position:  # cached: must read back intact
-          assert slot[position % self.page_size] == (seq.request_id, position, tokens[position])
-        else:
-          slot[position % self.page_size] = (seq.request_id, position, tokens[position])
 
 
 def check_pages(scheduler: Scheduler) -> None:
@@ -79,24 +59,35 @@ def check_pages(scheduler: Scheduler) -> None:
   assert scheduler.num_running <= scheduler.config.max_num_seqs
 
 
-def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
+def check_step(scheduler: Scheduler, out: SchedulerOutput,
+               in_flight: SchedulerOutput | None) -> None:
+  """A freshly scheduled step, before it runs; `in_flight` is the step launched before
+  it and not collected yet (async scheduling)."""
   config = scheduler.config
   assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
   assert out.num_batched_tokens <= config.max_num_batched_tokens
   assert len(out.scheduled) <= config.max_num_seqs
   assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
+  pending_before = {} if in_flight is None else {
+      s.request_id: s.samples * s.num_steps for s in in_flight.scheduled}
   for seq in out.scheduled:
     request = seq.request
-    end = seq.start_position + len(seq.token_ids)
-    assert request.num_computed_tokens == end  # committed when scheduled
-    assert len(seq.page_ids) * scheduler.page_pool.page_size >= end
-    # A sampling step's token is pending until update(): counted in num_tokens.
-    assert (end == request.num_tokens - 1) if seq.samples else (end < request.num_tokens)
-    assert request.num_pending == seq.samples  # synchronous: nothing else in flight
+    # The last position the step computes: a multi-step decode adds an iteration each.
+    last = seq.start_position + len(seq.token_ids) + seq.num_steps - 1
+    assert request.num_computed_tokens == last  # committed when scheduled
+    assert len(seq.page_ids) * scheduler.page_pool.page_size >= last
+    # A sampling step's tokens are pending until update(): counted in num_tokens.
+    assert (last == request.num_tokens - 1) if seq.samples else (last < request.num_tokens)
+    assert request.num_pending == (seq.samples * seq.num_steps
+                                   + pending_before.get(seq.request_id, 0))
+    assert request.num_sampled <= request.sampling.max_tokens  # no token past the end
     if config.prefill_policy == "none" and seq.is_prefill:
       assert seq.start_position == 0 and seq.samples  # whole prompts only
     if config.prefill_policy == "chunked" and config.chunk_size:
       assert len(seq.token_ids) <= config.chunk_size
+    if seq.num_steps > 1:  # multi-step: decodes only, within the launch's iterations
+      assert not seq.is_prefill and seq.num_steps <= out.num_steps
+  assert out.num_steps <= config.num_decode_steps
 
 
 @dataclasses.dataclass
@@ -114,8 +105,12 @@ plans = st.lists(st.tuples(st.lists(arrivals, max_size=3), st.lists(st.integers(
                  min_size=1, max_size=25)
 
 
-def make_scheduler(draw, policy: str, mode: str) -> Scheduler:
-  """Knobs biased towards pressure: small pools, optimistic output estimates."""
+def make_scheduler(draw, policy: str, mode: str, loop: tuple[bool, int] | None = None
+                   ) -> Scheduler:
+  """Knobs biased towards pressure: small pools, optimistic output estimates. `loop`:
+  (async scheduling, decode iterations per launch), drawn when None."""
+  async_scheduling, num_decode_steps = loop or (draw(st.booleans()),
+                                                draw(st.sampled_from([1, 4])))
   config = scheduler_config.get_scheduler_config()
   config.update(
       prefill_policy=policy, preemption_mode=mode,
@@ -124,7 +119,8 @@ def make_scheduler(draw, policy: str, mode: str) -> Scheduler:
       chunk_size=draw(st.sampled_from([0, 1, 5, 16])),
       max_waiting=draw(st.integers(1, 8)), watermark=draw(st.sampled_from([0.0, 0.0, 0.2])),
       output_estimate=draw(st.sampled_from(["fixed", "fixed", "running_mean", "max_tokens"])),
-      fixed_output_estimate=draw(st.integers(1, 8)))
+      fixed_output_estimate=draw(st.integers(1, 8)),
+      async_scheduling=async_scheduling, num_decode_steps=num_decode_steps)
   page_size = draw(st.sampled_from([1, 2, 4, 8]))
   num_pages = 1 + draw(st.integers(24, 128)) // page_size  # 24 to 128 tokens of KV
   return Scheduler(config, num_pages=num_pages, page_size=page_size,
@@ -141,34 +137,48 @@ def heavy_plan(seed: int, num_steps: int = 30) -> list:
           for _ in range(num_steps)]
 
 
-def run_traffic(scheduler: Scheduler, plan: list, seed: int) -> list[Request]:
-  """Feeds `plan` (per step: arrivals, abort picks), steps until idle, checks everything."""
-  executor = FakeExecutor(scheduler)
+def traffic_engine(scheduler: Scheduler, seed: int) -> Engine:
+  """An engine over the fake executor, as the scheduler's config says (async or not),
+  checking every step as it is launched."""
+  def sample(request_id: str, position: int) -> int:
+    return (seed + zlib.crc32(request_id.encode()) + position * position) % 13
+
+  def check(out: SchedulerOutput) -> None:
+    in_flight = engine._in_flight  # the step before, while this one is launched
+    check_step(scheduler, out, None if in_flight is None else in_flight[0])
+    check_pages(scheduler)
+
+  executor = FakeExecutor.for_pool(scheduler.page_pool, sample=sample, check=check)
+  engine = Engine(scheduler, executor, async_scheduling=scheduler.config.async_scheduling)
+  return engine
+
+
+def run_traffic(scheduler: Scheduler, plan: list,
+                seed: int) -> tuple[list[Request], FakeExecutor]:
+  """Feeds `plan` (per step: arrivals, abort picks), steps until idle, checks everything;
+  returns the admitted requests and the executor."""
+  engine = traffic_engine(scheduler, seed)
   admitted: list[Request] = []
   aborted_by_test: set[str] = set()
+  outputs: list[RequestOutput] = []
   plan = list(plan)
   num_steps = 0
-  while plan or scheduler.has_unfinished():
+  while plan or engine.has_unfinished():
     if plan:
       new, aborts = plan.pop(0)
       for arrival in new:
         stops = (STOP_TOKEN,) if arrival.stops else ()
-        request = Request(f"r{num_steps}-{len(admitted)}", [5] * arrival.num_prompt,
-                          SamplingParams(arrival.max_tokens, stop_token_ids=stops),
-                          priority=arrival.priority)
-        if scheduler.add_request(request).admitted:
+        request, answer = engine.add_request(
+            [5] * arrival.num_prompt, SamplingParams(arrival.max_tokens, stop_token_ids=stops),
+            request_id=f"r{num_steps}-{len(admitted)}", priority=arrival.priority)
+        if answer.admitted:
           admitted.append(request)
       live = sorted(scheduler.requests)
       for index in aborts:
         if live:
           aborted_by_test.add(live[index % len(live)])
-          assert scheduler.abort(live.pop(index % len(live)))
-    out = scheduler.schedule()
-    check_step(scheduler, out)
-    check_pages(scheduler)
-    executor.run(out)
-    scheduler.update(out, {s.request_id: (seed + num_steps + s.start_position) % 13
-                           for s in out.scheduled if s.samples})
+          assert engine.abort(live.pop(index % len(live)))
+    outputs.extend(engine.step())
     check_pages(scheduler)
     for request in admitted:
       assert request.num_output_tokens <= request.sampling.max_tokens
@@ -177,7 +187,9 @@ def run_traffic(scheduler: Scheduler, plan: list, seed: int) -> list[Request]:
     assert num_steps <= 40 + 30 * sum(r.num_prompt_tokens + r.sampling.max_tokens
                                       for r in admitted), "scheduler stopped making progress"
   check_drained(scheduler, admitted, aborted_by_test)
-  return admitted
+  check_outputs(engine, admitted, outputs, aborted_by_test)
+  assert isinstance(engine.executor, FakeExecutor)
+  return admitted, engine.executor
 
 
 def check_drained(scheduler: Scheduler, admitted: list[Request], aborted: set[str]) -> None:
@@ -200,6 +212,30 @@ def check_drained(scheduler: Scheduler, admitted: list[Request], aborted: set[st
       assert request.output_ids[-1] == STOP_TOKEN
 
 
+def check_outputs(engine: Engine, admitted: list[Request], outputs: list[RequestOutput],
+                  aborted: set[str]) -> None:
+  """Every token is the model's and streamed once, in order; every request ends once;
+  every launched step was collected."""
+  executor = engine.executor
+  assert isinstance(executor, FakeExecutor)
+  assert engine._in_flight is None
+  assert executor.in_flight == 0 and executor.num_submitted == executor.num_collected
+  for request in admitted:
+    prompt_len = request.num_prompt_tokens
+    assert request.output_ids == [expected_token(request, prompt_len + i, executor.sample)
+                                  for i in range(request.num_output_tokens)]
+    assert request.event_kinds().count("finished") == 1
+    mine = [o for o in outputs if o.request_id == request.request_id]
+    assert [t for o in mine for t in o.new_token_ids] == request.output_ids
+    ends = [o.finished for o in mine].count(True)
+    if request.request_id in aborted:
+      assert ends <= 1  # an abort after the last step is never echoed by a step
+    else:
+      assert ends == 1 and mine[-1].finished
+    if request.finish_reason == "stop":
+      assert STOP_TOKEN not in request.output_ids[:-1]
+
+
 @settings(max_examples=40, deadline=None)
 @given(data=st.data(), policy=st.sampled_from(policy.PREFILL_POLICIES),
        mode=st.sampled_from(policy.PREEMPTION_MODES), plan=plans,
@@ -208,24 +244,34 @@ def test_random_traffic_keeps_every_invariant(data, policy, mode, plan, seed):
   run_traffic(make_scheduler(data.draw, policy, mode), plan, seed)
 
 
+# (async scheduling, decode iterations per launch): every loop the engine can run.
+LOOPS = {"sync": (False, 1), "async": (True, 1), "sync-4-step": (False, 4),
+         "async-4-step": (True, 4)}
+
+
 @pytest.mark.parametrize("policy", policy.PREFILL_POLICIES)
 @pytest.mark.parametrize("mode", policy.PREEMPTION_MODES)
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("loop", LOOPS)
+@settings(max_examples=15, deadline=None)
 @given(data=st.data(), seed=st.integers(0, 2**16))
-def test_heavy_traffic_keeps_every_invariant(policy, mode, data, seed):
-  scheduler = make_scheduler(data.draw, policy, mode)
-  run_traffic(scheduler, heavy_plan(seed), seed)
+def test_heavy_traffic_keeps_every_invariant(policy, mode, loop, data, seed):
+  scheduler = make_scheduler(data.draw, policy, mode, LOOPS[loop])
+  _, executor = run_traffic(scheduler, heavy_plan(seed), seed)
   event(f"preempted: {bool(scheduler.stats()['num_preemptions'])}")
+  event(f"multi-step launches: {bool(executor.num_multi_step_launches)}")
+  event(f"tokens fed from the device: {bool(executor.num_fed_from_device)}")
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("mode", policy.PREEMPTION_MODES)
 @pytest.mark.parametrize("policy", policy.PREFILL_POLICIES)
-def test_heavy_traffic_really_preempts(policy, mode):
+def test_heavy_traffic_really_preempts(policy, mode, async_scheduling):
   """The random tests are not vacuous: this pressure preempts in every mode and policy."""
   config = scheduler_config.get_scheduler_config()
   config.update(prefill_policy=policy, preemption_mode=mode, max_num_seqs=6,
                 max_num_batched_tokens=MAX_MODEL_LEN, chunk_size=16, watermark=0.0,
-                output_estimate="fixed", fixed_output_estimate=1, max_waiting=8)
+                output_estimate="fixed", fixed_output_estimate=1, max_waiting=8,
+                async_scheduling=async_scheduling)
   scheduler = Scheduler(config, num_pages=1 + 64 // 4, page_size=4,
                         max_model_len=MAX_MODEL_LEN, num_host_pages=16, clock=lambda: 0.0)
   swap_copies = []
@@ -237,7 +283,7 @@ def test_heavy_traffic_really_preempts(policy, mode):
     return out
 
   scheduler.schedule = schedule_and_record
-  admitted = run_traffic(scheduler, heavy_plan(seed=1), seed=1)
+  admitted, _ = run_traffic(scheduler, heavy_plan(seed=1), seed=1)
   stats = scheduler.stats()
   assert len(admitted) >= 8 and stats["preemptions"][mode] > 0
   assert bool(swap_copies) == (mode == "swap")

@@ -14,15 +14,20 @@ A token's slot is `page * page_size + offset`. Writes go through a `slot_mapping
 (one slot per new token); reads go through page tables (see `kvpage.device.attention.reference`).
 Every function here is pure and jit-friendly: pass the cache as a donated argument
 and XLA updates the pool in place.
+
+`HostSwapPool` is the host side of swap preemption: a second pool of pages in host
+memory, and the two jitted copies that move pages between it and the cache.
 """
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from kvpage import batch as batch_lib
 from kvpage.sim import capacity
 
 NULL_PAGE = 0
@@ -150,3 +155,67 @@ def read_sequence(cache: PagedKVCache, layer: int, page_table: jax.Array,
   k = cache.k_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
   v = cache.v_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
   return k, v
+
+
+def _gather_pages(cache: PagedKVCache, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+  return cache.k_pages[:, :, pages], cache.v_pages[:, :, pages]
+
+
+def _scatter_pages(cache: PagedKVCache, pages: jax.Array, k: jax.Array,
+                   v: jax.Array) -> PagedKVCache:
+  return cache.replace(k_pages=cache.k_pages.at[:, :, pages].set(k),
+                       v_pages=cache.v_pages.at[:, :, pages].set(v))
+
+
+class HostSwapPool:
+  """Pages of keys and values in host memory, for requests preempted by swap.
+
+  Host pages are numbered from 0 (the host pool has no null page) and laid out like
+  the cache's. Every copy pads its page list to a power of two with the null page, so
+  copies, like steps, compile once per size bucket rather than once per count; the
+  padding rows gather the null page and scatter zeros into it, which no real token
+  reads. Each copy is one explicit transfer each way (`jax.device_put`,
+  `jax.device_get`).
+  """
+
+  def __init__(self, cache: PagedKVCache, num_pages: int):
+    shape = (cache.num_layers, cache.num_kv_heads, num_pages, cache.page_size, cache.head_dim)
+    self.k = np.zeros(shape, cache.dtype)
+    self.v = np.zeros(shape, cache.dtype)
+    self._gather = jax.jit(_gather_pages)
+    self._scatter = jax.jit(_scatter_pages, donate_argnums=0)
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[2]
+
+  def swap_out(self, cache: PagedKVCache, copies: Sequence[tuple[int, int]]) -> None:
+    """Copies device pages to host pages: `[(device_page, host_page), ...]`."""
+    if not copies:
+      return
+    device_pages = jax.device_put(_padded([device for device, _ in copies]))
+    k, v = jax.device_get(self._gather(cache, device_pages))
+    host_pages = [host for _, host in copies]
+    self.k[:, :, host_pages] = k[:, :, :len(copies)]
+    self.v[:, :, host_pages] = v[:, :, :len(copies)]
+
+  def swap_in(self, cache: PagedKVCache, copies: Sequence[tuple[int, int]]) -> PagedKVCache:
+    """Copies host pages back to device pages, `[(host_page, device_page), ...]`; returns
+    the updated cache (the one passed in is donated)."""
+    if not copies:
+      return cache
+    device_pages = _padded([device for _, device in copies])
+    size = len(device_pages)
+    k = np.zeros((*self.k.shape[:2], size, *self.k.shape[3:]), self.k.dtype)
+    v = np.zeros_like(k)
+    host_pages = [host for host, _ in copies]
+    k[:, :, :len(copies)] = self.k[:, :, host_pages]
+    v[:, :, :len(copies)] = self.v[:, :, host_pages]
+    return self._scatter(cache, *jax.device_put((device_pages, k, v)))
+
+
+def _padded(pages: list[int]) -> np.ndarray:
+  """`pages` padded with the null page to the next power of two."""
+  padded = np.full(batch_lib.page_bucket(len(pages)), NULL_PAGE, np.int32)
+  padded[:len(pages)] = pages
+  return padded

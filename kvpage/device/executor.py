@@ -1,33 +1,41 @@
-"""Executors run a `SchedulerOutput`: `JaxExecutor` on a real model over the paged cache.
+"""`JaxExecutor`: the `Executor` contract over a real model and the paged cache.
 
-An executor answers one call, `execute(output) -> {request_id: sampled token}`, for
-the sequences that sample this step (a list of tokens for a multi-step decode). The
-scheduler and engine never see what is behind it, so a simulated GPU
-(`kvpage.sim.executor`) can stand in for a real model.
+The executor owns the params, the device cache, a host page pool for swapping
+(`kvpage.device.cache.HostSwapPool`) and the jitted step. Swap copies run before the
+step, swap-outs first (a step may reuse pages a swap-out just vacated).
 
-`JaxExecutor` owns the params, the device cache, a host page pool for swapping, and
-the jitted step. Swap copies run before the step, swap-outs first (a step may reuse
-pages a swap-out just vacated); the page lists are padded to power-of-two buckets
-with the null page so copies, like steps, do not recompile.
+`submit` launches a step and returns at once (a `Ticket`); `collect` waits for its
+sampled ids; `execute` is one after the other. Under async scheduling the engine
+launches step N+1 before collecting step N, so the host's work hides behind the
+device's; step N+1 reads the tokens step N sampled straight from its device output
+(`kvpage.device.step`). Device work runs in launch order, so a page freed on the host
+while a step in flight still writes it is only reused by a later step.
 
-It also splits `execute` in two for async scheduling: `submit` launches the step and
-returns at once (a `Ticket`), `collect` waits for its sampled ids. The engine
-schedules and launches step N+1 before collecting step N, so the host's work hides
-behind the device's; step N+1 reads the tokens step N sampled straight from its
-device output (`kvpage.device.step`). Device work runs in launch order, so a page freed on
-the host while a step in flight still writes it is only reused by a later step.
+`submit`, `collect` and `warmup` run under `jax.transfer_guard("disallow")`: an
+implicit host<->device copy (a numpy array or Python scalar handed to a jitted
+function; on an accelerator, an array read back with `np.asarray`) is an error on
+the serving path, not a silent stall. The
+transfers the design calls for are explicit: the step's batch (`jax.device_put` in
+`kvpage.device.step`), the sampled ids (`jax.device_get`, after the copy that
+`submit` starts early), and the swap copies (`HostSwapPool`). Guarding the executor,
+rather than one experiment's loop, covers every real run, whoever drives the engine.
 """
 
+import contextlib
 import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
 
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
 from kvpage.device.step import ForwardFn, Step
-from kvpage.interface import SchedulerOutput
+from kvpage.interface import Executor, Samples, SchedulerOutput
+
+
+def transfer_guard() -> contextlib.AbstractContextManager[None]:
+  """A context that refuses implicit host<->device transfers; explicit ones still run."""
+  return jax.transfer_guard("disallow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,32 +46,19 @@ class Ticket:
   info: batch_lib.BatchInfo | None
 
 
-def _gather_pages(cache: paged_cache.PagedKVCache, pages: jax.Array):
-  return cache.k_pages[:, :, pages], cache.v_pages[:, :, pages]
-
-
-def _scatter_pages(cache: paged_cache.PagedKVCache, pages: jax.Array, k: jax.Array,
-                   v: jax.Array) -> paged_cache.PagedKVCache:
-  return cache.replace(k_pages=cache.k_pages.at[:, :, pages].set(k),
-                       v_pages=cache.v_pages.at[:, :, pages].set(v))
-
-
-class JaxExecutor:
-  """A model's forward function, its params and a paged cache behind the executor protocol."""
+class JaxExecutor(Executor):
+  """A model's forward function, its params and a paged cache behind `Executor`."""
 
   def __init__(self, forward: ForwardFn, params: Any, cache: paged_cache.PagedKVCache, *,
                num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None):
-    self.params = params
+    # Once, explicitly: params handed over as numpy would otherwise cross to the
+    # device at every step.
+    self.params = jax.device_put(params)
     self.cache = cache
     self.buckets = buckets or batch_lib.DEFAULT_BUCKETS
     self.step = Step(forward)
-    shape = (cache.num_layers, cache.num_kv_heads, num_host_pages, cache.page_size,
-             cache.head_dim)
-    self.host_k = np.zeros(shape, cache.dtype)
-    self.host_v = np.zeros(shape, cache.dtype)
-    self._gather = jax.jit(_gather_pages)
-    self._scatter = jax.jit(_scatter_pages, donate_argnums=0)
-    self.num_launches = 0
+    self.host_pool = paged_cache.HostSwapPool(cache, num_host_pages)
+    self.num_launches = 0  # steps launched (a multi-step decode is one launch)
     self._feed: jax.Array | None = None  # the last launched step's sampled ids (device)
     self._feed_rows: dict[str, int] = {}  # request -> its row in `_feed`
 
@@ -75,15 +70,16 @@ class JaxExecutor:
   def num_compiles(self) -> int:
     return self.step.num_compiles
 
-  def execute(self, output: SchedulerOutput) -> dict[str, int]:
-    return self.collect(self.submit(output))
-
   def submit(self, output: SchedulerOutput) -> Ticket:
     """Runs the page copies and launches the step, without waiting for its result."""
-    self.swap_out(output.swap_out)
-    self.swap_in(output.swap_in)
-    if not output.scheduled:
-      return Ticket(None, None)
+    with transfer_guard():
+      self.host_pool.swap_out(self.cache, output.swap_out)
+      self.cache = self.host_pool.swap_in(self.cache, output.swap_in)
+      if not output.scheduled:
+        return Ticket(None, None)
+      return self._launch(output)
+
+  def _launch(self, output: SchedulerOutput) -> Ticket:
     batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
                                   buckets=self.buckets, feed_rows=self._feed_rows)
     if output.num_steps > 1:  # multi-step decoding: samples [num_steps, feed_width]
@@ -93,20 +89,21 @@ class JaxExecutor:
       tokens, self.cache = self.step.dispatch(self.params, self.cache, batch,
                                               info.all_greedy, self._feed)
       feed = tokens
-    tokens.copy_to_host_async()
+    tokens.copy_to_host_async()  # started now, so `collect` finds the ids on the host
     self._feed = feed
     self._feed_rows = {request_id: row for row, (request_id, samples)
                        in enumerate(zip(info.request_ids, info.samples)) if samples}
     self.num_launches += 1
     return Ticket(tokens, info)
 
-  def collect(self, ticket: Ticket) -> dict[str, int | list[int]]:
+  def collect(self, ticket: Ticket) -> Samples:
     """Waits for a launched step: a sampled token per sequence that samples (a list of
     its `num_steps` tokens for a multi-step sequence)."""
-    if ticket.tokens is None:
+    if ticket.tokens is None or ticket.info is None:
       return {}
     info = ticket.info
-    tokens = np.asarray(ticket.tokens)
+    with transfer_guard():
+      tokens = jax.device_get(ticket.tokens)
     if tokens.ndim == 1:
       return {request_id: token for request_id, token, samples
               in zip(info.request_ids, tokens[:info.num_seqs].tolist(), info.samples)
@@ -127,46 +124,17 @@ class JaxExecutor:
     shapes = self.buckets.warmup_shapes(max_num_seqs, max_num_batched_tokens)
     width = self.buckets.table_width(1)
     count = 0
-    for num_tokens, num_seqs, decode_only in shapes:
-      batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
-      for greedy in all_greedy:  # fed like serving steps, so their programs match
-        self._feed, self.cache = self.step.dispatch(self.params, self.cache, batch, greedy,
-                                                    self._feed)
-        count += 1
-        if decode_only and num_decode_steps > 1:
-          _, self._feed, self.cache = self.step.dispatch_multi(
-              self.params, self.cache, batch, greedy, self._feed, num_decode_steps)
+    with transfer_guard():
+      for num_tokens, num_seqs, decode_only in shapes:
+        batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
+        for greedy in all_greedy:  # fed like serving steps, so their programs match
+          self._feed, self.cache = self.step.dispatch(self.params, self.cache, batch, greedy,
+                                                      self._feed)
           count += 1
-    if self._feed is not None:
-      self._feed.block_until_ready()
+          if decode_only and num_decode_steps > 1:
+            _, self._feed, self.cache = self.step.dispatch_multi(
+                self.params, self.cache, batch, greedy, self._feed, num_decode_steps)
+            count += 1
+      if self._feed is not None:
+        self._feed.block_until_ready()
     return count
-
-  def swap_out(self, copies: list[tuple[int, int]]) -> None:
-    """Copies device pages to host pages: `[(device_page, host_page), ...]`."""
-    if not copies:
-      return
-    device_pages = self._padded([device for device, _ in copies])
-    k, v = jax.device_get(self._gather(self.cache, device_pages))
-    host_pages = [host for _, host in copies]
-    self.host_k[:, :, host_pages] = k[:, :, :len(copies)]
-    self.host_v[:, :, host_pages] = v[:, :, :len(copies)]
-
-  def swap_in(self, copies: list[tuple[int, int]]) -> None:
-    """Copies host pages back to device pages: `[(host_page, device_page), ...]`."""
-    if not copies:
-      return
-    device_pages = self._padded([device for _, device in copies])
-    size = len(device_pages)
-    k = np.zeros((*self.host_k.shape[:2], size, *self.host_k.shape[3:]), self.host_k.dtype)
-    v = np.zeros_like(k)
-    host_pages = [host for host, _ in copies]
-    k[:, :, :len(copies)] = self.host_k[:, :, host_pages]
-    v[:, :, :len(copies)] = self.host_v[:, :, host_pages]
-    # Padding rows write zeros into the null page, which no real token reads.
-    self.cache = self._scatter(self.cache, device_pages, k, v)
-
-  @staticmethod
-  def _padded(pages: list[int]) -> np.ndarray:
-    padded = np.full(batch_lib.page_bucket(len(pages)), paged_cache.NULL_PAGE, np.int32)
-    padded[:len(pages)] = pages
-    return padded

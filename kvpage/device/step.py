@@ -10,11 +10,13 @@ recompiles; it cannot see a compilation that reuses a trace (e.g. an input that
 differs only in being committed to a device), which the tests catch by counting XLA
 compilations through `jax.monitoring`.
 
-The sampled ids leave as one fixed-width device array (`feed_width`, padded), which
-is also the `feed` of the next step: a batch token id `-(r + 1)` is read from row `r`
-of it on the device (async scheduling, `kvpage.batch`). `dispatch` returns without
-waiting for the device; `__call__` waits and returns the ids as numpy, in one
-device-to-host transfer.
+The batch arrives as numpy and crosses to the device in one explicit
+`jax.device_put` per launch (never as an implicit transfer at the jit boundary, which
+a transfer guard would refuse). The sampled ids leave as one fixed-width device
+array (`feed_width`, padded), which is also the `feed` of the next step: a batch
+token id `-(r + 1)` is read from row `r` of it on the device (async scheduling,
+`kvpage.batch`). `dispatch` returns without waiting for the device; the executor
+fetches the ids.
 
 `dispatch_multi` runs multi-step decoding (`scheduler.num_decode_steps`): a decode
 batch goes through up to `num_steps` iterations in one program (a `fori_loop` over
@@ -45,7 +47,7 @@ def _fed_tokens(batch: StepBatch, feed: jax.Array) -> jax.Array:
 
 
 class Step:
-  """`step(params, cache, batch, all_greedy) -> (np.ndarray token ids, new cache)`."""
+  """A model's forward function and the sampler, jitted: `dispatch`, `dispatch_multi`."""
 
   def __init__(self, forward: ForwardFn, feed_width: int = batch_lib.SEQ_BUCKETS[-1]):
     self.forward = forward
@@ -110,7 +112,7 @@ class Step:
     so a committed feed would compile every program a second time.
     """
     if self._no_feed is None:
-      self._no_feed = jnp.zeros(self.feed_width, jnp.int32)
+      self._no_feed = jax.device_put(np.zeros(self.feed_width, np.int32))
     return self._no_feed
 
   def _checked_feed(self, batch: StepBatch, feed: jax.Array | None) -> jax.Array:
@@ -125,7 +127,7 @@ class Step:
                ) -> tuple[jax.Array, paged_cache.PagedKVCache]:
     """Launches the step; returns `i32[feed_width]` sampled ids (row s: sequence s) at once."""
     feed = self._checked_feed(batch, feed)
-    return self._jitted(params, cache, batch, feed, all_greedy=all_greedy)
+    return self._jitted(params, cache, jax.device_put(batch), feed, all_greedy=all_greedy)
 
   def dispatch_multi(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
                      all_greedy: bool, feed: jax.Array | None, num_steps: int
@@ -136,11 +138,5 @@ class Step:
     if not batch.decode_only:
       raise ValueError("multi-step decoding needs a decode-only batch")
     feed = self._checked_feed(batch, feed)
-    return self._jitted_multi(params, cache, batch, feed, all_greedy=all_greedy,
-                              num_steps=num_steps)
-
-  def __call__(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
-               all_greedy: bool, feed: jax.Array | None = None
-               ) -> tuple[np.ndarray, paged_cache.PagedKVCache]:
-    tokens, cache = self.dispatch(params, cache, batch, all_greedy, feed)
-    return np.asarray(tokens)[:batch.context_lens.shape[0]], cache
+    return self._jitted_multi(params, cache, jax.device_put(batch), feed,
+                              all_greedy=all_greedy, num_steps=num_steps)

@@ -7,12 +7,12 @@ answer, `step` runs one iteration and returns each request's new tokens and whet
 it finished, `abort` ends a request, `generate` runs a batch of prompts to the end.
 Host side: this module, like the scheduler, never imports jax; the executor does.
 
-With `async_scheduling` (vLLM's option of that name; executors that can `submit` a
-step without waiting for it) the loop is pipelined: step N+1 is scheduled, built and
-launched while step N still runs on the device, and step N's samples are applied
-after. The host's work hides behind the device's; what a request sees changes only
-in timing: `step()` returns the tokens of the step before, and a request that stops
-on a stop token has one extra token computed for it, then dropped.
+With `async_scheduling` (vLLM's option of that name) the loop is pipelined through
+the executor's `submit`/`collect`: step N+1 is scheduled, built and launched while
+step N still runs on the device, and step N's samples are applied after. The host's
+work hides behind the device's; what a request sees changes only in timing:
+`step()` returns the tokens of the step before, and a request that stops on a stop
+token has one extra token computed for it, then dropped.
 
 Multi-step decoding (`scheduler.num_decode_steps`) composes with both loops: a launch
 then carries several decode iterations, and its outputs list each request's tokens
@@ -21,26 +21,13 @@ of all of them, up to a stop token.
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Admission, Scheduler
-from kvpage.interface import SchedulerOutput
+from kvpage.interface import Executor, Samples, SchedulerOutput
 
 MAX_IDLE_STEPS = 1000  # empty steps in a row before `generate` declares a stall
-
-
-class Executor(Protocol):
-  """What the engine needs from an executor (`JaxExecutor`, `SimExecutor`, a test fake).
-
-  For async scheduling an executor also offers `submit(output) -> ticket` (launch the
-  step, page copies first, without waiting) and `collect(ticket) -> samples`.
-  """
-
-  def execute(self, output: SchedulerOutput) -> dict[str, int | list[int]]:
-    """Runs the step (page copies first); returns a token per sequence that samples,
-    or for a multi-step decode (`output.num_steps > 1`) the list of its tokens."""
-    ...
 
 
 class RequestOutput(NamedTuple):
@@ -58,9 +45,6 @@ class Engine:
 
   def __init__(self, scheduler: Scheduler, executor: Executor,
                on_step: Callable[..., None] | None = None, *, async_scheduling: bool = False):
-    if async_scheduling and not hasattr(executor, "submit"):
-      raise ValueError(f"async scheduling needs an executor with submit() and collect(); "
-                       f"{type(executor).__name__} has none")
     self.scheduler = scheduler
     self.executor = executor
     self.async_scheduling = async_scheduling
@@ -87,6 +71,7 @@ class Engine:
     return self.scheduler.abort(request_id)
 
   def has_unfinished(self) -> bool:
+    """True while a request is live or a launched step is not collected yet."""
     return self.scheduler.has_unfinished() or self._in_flight is not None
 
   def step(self) -> list[RequestOutput]:
@@ -98,9 +83,10 @@ class Engine:
     self.idle_steps = self.idle_steps + 1 if output.is_empty and not self._in_flight else 0
     if not self.async_scheduling:
       return self._complete(output, self.executor.execute(output))
-    ticket = self.executor.submit(output)  # Queued on the device behind the step in flight.
     previous = self._in_flight
-    self._in_flight = None if output.is_empty else (output, ticket)
+    # Queued on the device behind the step in flight. An empty step launches nothing,
+    # so there is no ticket to wait for.
+    self._in_flight = None if output.is_empty else (output, self.executor.submit(output))
     outputs = []
     if previous is not None:  # Waits for the previous step while this one is queued.
       outputs += self._complete(previous[0], self.executor.collect(previous[1]))
@@ -108,8 +94,7 @@ class Engine:
       outputs += self._complete(output, {})
     return outputs
 
-  def _complete(self, output: SchedulerOutput,
-                sampled: dict[str, int | list[int]]) -> list[RequestOutput]:
+  def _complete(self, output: SchedulerOutput, sampled: Samples) -> list[RequestOutput]:
     """Applies a step's samples to the scheduler; the outputs of `step()`."""
     # Requests that finished after this step was scheduled (aborted, or stopped by the
     # step before) were reported then; their samples are void.
@@ -150,7 +135,7 @@ class Engine:
     """Runs `prompts` to completion together; returns their requests (outputs inside)."""
     samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
                  else list(sampling))
-    requests = []
+    requests: list[Request] = []
     for prompt, params in zip(prompts, samplings, strict=True):
       request, answer = self.add_request(prompt, params)
       if not answer.admitted:
@@ -162,8 +147,13 @@ class Engine:
     return requests
 
   def run_until_done(self) -> None:
-    """Steps until no request is left; raises if the loop stops making progress."""
-    while self.scheduler.has_unfinished():
+    """Steps until no request is left and no launched step is uncollected; raises if the
+    loop stops making progress."""
+    # `has_unfinished` counts the step in flight: under async scheduling the last request
+    # may finish (a stop token) while the step after it is launched, and that step
+    # must still be collected. Collecting it is progress: `idle_steps` counts only
+    # steps that launch nothing while nothing is in flight.
+    while self.has_unfinished():
       self.step()
       if self.idle_steps > MAX_IDLE_STEPS:
         raise RuntimeError(f"no progress in {MAX_IDLE_STEPS} steps with "

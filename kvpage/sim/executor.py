@@ -17,12 +17,17 @@ The roofline (Williams et al., CACM 2009): a step takes the longer of
     the new tokens' keys and values written, over HBM bandwidth x efficiency;
 plus a fixed per-step overhead, plus swap copies over the host link. Prefill (many
 tokens, one pass over the weights) comes out compute-bound and decode (one token
-per sequence, every weight and KV byte re-read) bandwidth-bound, as in the mission.
+per sequence, every weight and KV byte re-read) bandwidth-bound.
+
+Under the `Executor` contract a simulated step has no device to wait for: `submit`
+runs it (the clock advances then) and its ticket is the samples, which `collect`
+hands back; nothing compiles, so `warmup` does nothing and `num_compiles` is 0.
 """
 
 import dataclasses
+from typing import Any
 
-from kvpage.interface import SchedulerOutput
+from kvpage.interface import Executor, Samples, SchedulerOutput
 from kvpage.sim import capacity
 from kvpage.sim.clock import VirtualClock
 from kvpage.sim.hardware import HardwareSpec
@@ -91,17 +96,28 @@ class Roofline:
         overhead_s=hw.step_overhead_s if sequences or num_swapped_pages else 0.0)
 
 
-class SimExecutor:
-  """The executor protocol over a roofline and a virtual clock."""
+class SimExecutor(Executor):
+  """The executor contract over a roofline and a virtual clock."""
 
   def __init__(self, roofline: Roofline, clock: VirtualClock):
     self.roofline = roofline
     self.clock = clock
     self.costs: list[StepCost] = []
 
-  def execute(self, output: SchedulerOutput) -> dict[str, int | list[int]]:
+  @property
+  def num_compiles(self) -> int:
+    return 0
+
+  def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
+             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
+    """Nothing to compile: a priced step has no program."""
+    del max_num_seqs, max_num_batched_tokens, all_greedy, num_decode_steps  # Unused.
+    return 0
+
+  def submit(self, output: SchedulerOutput) -> Samples:
+    """Prices the step and advances the clock by its duration; the ticket is its samples."""
     if output.num_steps > 1:
-      return self._execute_multi_step(output)
+      return self._run_multi_step(output)
     sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
                  for seq in output.scheduled]
     cost = self.roofline.step_cost(sequences, len(output.swap_out) + len(output.swap_in),
@@ -110,7 +126,7 @@ class SimExecutor:
     self.clock.advance(cost.seconds)
     return {seq.request_id: DUMMY_TOKEN for seq in output.scheduled if seq.samples}
 
-  def _execute_multi_step(self, output: SchedulerOutput) -> dict[str, list[int]]:
+  def _run_multi_step(self, output: SchedulerOutput) -> Samples:
     """A multi-step decode, priced iteration by iteration (each a forward pass, with
     its own per-step overhead: the simulator does not model launch savings)."""
     for i in range(max(seq.num_steps for seq in output.scheduled)):
@@ -119,3 +135,7 @@ class SimExecutor:
       self.costs.append(cost)
       self.clock.advance(cost.seconds)
     return {seq.request_id: [DUMMY_TOKEN] * seq.num_steps for seq in output.scheduled}
+
+  def collect(self, ticket: Any) -> Samples:
+    """The samples `submit` returned: the step already ran on the virtual clock."""
+    return ticket

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 
 from kvpage.host.engine import MAX_IDLE_STEPS, Engine
 from kvpage.host.request import Request, SamplingParams
+from kvpage.sim.clock import VirtualClock
 from kvpage.sim.workload import TraceRequest
 
 
@@ -48,7 +49,7 @@ def replay(engine: Engine, trace: Sequence[TraceRequest], *,
 
 
 def _wait_until(clock: Callable[[], float], when: float) -> None:
-  if hasattr(clock, "advance_to"):
+  if isinstance(clock, VirtualClock):
     clock.advance_to(when)  # virtual time jumps
   else:
     time.sleep(max(0.0, when - clock()))

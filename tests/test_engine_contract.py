@@ -1,0 +1,87 @@
+"""The `Executor` contract: every executor implements it, and the engine keeps its side.
+
+Under async scheduling the engine launches step N+1 before it collects step N, so
+the last request can finish (a stop token in step N) while step N+1 is in flight.
+`run_until_done` and `generate` must not return before that step is collected:
+every ticket the engine submits is collected, once.
+"""
+
+import inspect
+
+import pytest
+from engine_utils import FakeExecutor, fake_engine
+
+from configs import hardware as hardware_lib
+from configs import tiny
+from experiments import build
+from kvpage.device.executor import JaxExecutor
+from kvpage.host.request import SamplingParams
+from kvpage.interface import Executor
+from kvpage.sim.executor import SimExecutor
+
+STOP = 3
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+
+
+@pytest.mark.parametrize("executor", [JaxExecutor, SimExecutor, FakeExecutor])
+def test_every_executor_implements_the_whole_contract(executor):
+  assert issubclass(executor, Executor) and not inspect.isabstract(executor)
+
+
+def stop_after(num_tokens: int):
+  """A fake model that, after a 10-token prompt, samples `100 + position` and `STOP` as
+  its `num_tokens`-th token."""
+  def sample(request_id: str, position: int) -> int:
+    del request_id  # Unused: every request's sequence has the same shape.
+    return STOP if position == 9 + num_tokens - 1 else 100 + position
+  return sample
+
+
+def assert_drained(engine) -> None:
+  executor = engine.executor
+  assert not engine.has_unfinished() and engine._in_flight is None
+  assert executor.in_flight == 0
+  assert executor.num_submitted == executor.num_collected > 0
+  pool = engine.scheduler.page_pool
+  assert pool.num_free_pages == pool.num_usable_pages
+
+
+@pytest.mark.parametrize("num_decode_steps", [1, 4], ids=["1-step", "4-step"])
+@pytest.mark.parametrize("ending", ["stop", "length"])
+@pytest.mark.parametrize("entry", ["run_until_done", "generate"])
+def test_async_loop_returns_only_after_collecting_every_step(entry, ending, num_decode_steps):
+  # Each prompt is padded to 10 tokens so the stop position is the same for all.
+  prompts = [prompt + [0] * (10 - len(prompt)) for prompt in PROMPTS]
+  engine = fake_engine(sample=stop_after(5), num_decode_steps=num_decode_steps)
+  stops = (STOP,) if ending == "stop" else ()
+  sampling = SamplingParams(max_tokens=7, stop_token_ids=stops)
+  if entry == "generate":
+    requests = engine.generate(prompts, sampling)
+  else:
+    requests = [engine.add_request(p, sampling)[0] for p in prompts]
+    engine.run_until_done()
+  assert_drained(engine)
+  tokens = [109, 110, 111, 112, STOP, 114, 115]
+  if ending == "stop":
+    assert all(r.finish_reason == "stop" and r.output_ids == tokens[:5] for r in requests)
+  else:
+    assert all(r.finish_reason == "length" and r.output_ids == tokens for r in requests)
+  if num_decode_steps > 1:
+    assert engine.executor.num_multi_step_launches > 0
+
+
+def test_sync_loop_collects_every_step_too():
+  engine = fake_engine(sample=stop_after(2), async_scheduling=False)
+  engine.generate([[1] * 10, [2] * 10], SamplingParams(max_tokens=4, stop_token_ids=(STOP,)))
+  assert_drained(engine)
+
+
+def test_simulated_executor_keeps_the_contract():
+  config = tiny.get_config()
+  engine = build.sim_engine(config.model, hardware_lib.get_hardware("cpu"), config.scheduler,
+                            num_pages=64, page_size=16)
+  executor = engine.executor
+  assert executor.warmup(8, 64) == 0 and executor.num_compiles == 0
+  assert engine.clock() == 0.0 and executor.costs == []  # warm-up ran nothing
+  requests = engine.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
+  assert [len(r.output_ids) for r in requests] == [5, 5, 5] and engine.clock() > 0
