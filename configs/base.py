@@ -28,7 +28,7 @@ def model_config(name: str, dtype: str) -> ml_collections.ConfigDict:
       dict(enabled=False, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
            original_max_seq_len=8192)
   )
-  config.attention_impl = "xla"  # xla | reference (the oracle) | pallas (models/llama.py)
+  config.attention_impl = "xla"  # kvpage.device.attention.ATTENTION_IMPLS
   return config
 
 

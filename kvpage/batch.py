@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvpage.host.request import PLACEHOLDER
+from kvpage.units import cdiv
 
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -88,7 +89,7 @@ class Buckets:
   @classmethod
   def for_server(cls, *, max_model_len: int, page_size: int, max_num_seqs: int) -> "Buckets":
     """Pinned table width and mixed batch size for a server with these limits."""
-    return cls(max_pages_per_seq=-(-max_model_len // page_size),
+    return cls(max_pages_per_seq=cdiv(max_model_len, page_size),
                mixed_num_seqs=bucket(max_num_seqs, SEQ_BUCKETS, "max_num_seqs"))
 
   def decode_shape(self, num_seqs: int) -> tuple[int, int]:
@@ -107,7 +108,7 @@ class Buckets:
     if self.max_pages_per_seq is None:
       return table_bucket(num_pages)
     if num_pages > self.max_pages_per_seq:
-      raise ValueError(f"a sequence holds {num_pages} pages, more than the pinned block-table "
+      raise ValueError(f"a sequence holds {num_pages} pages, more than the pinned page-table "
                        f"width {self.max_pages_per_seq}")
     return self.max_pages_per_seq
 
@@ -147,12 +148,12 @@ def bucket(value: int, ladder: Sequence[int], what: str) -> int:
 
 
 def page_bucket(num_pages: int) -> int:
-  """Pages per block-table row, rounded up to a power of two (at least 1)."""
+  """Pages per page-table row, rounded up to a power of two (at least 1)."""
   return 1 << max(0, (max(num_pages, 1) - 1).bit_length())
 
 
 def table_bucket(num_pages: int) -> int:
-  """Block-table width: the smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... that holds `num_pages`.
+  """Page-table width: the smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... that holds `num_pages`.
 
   Attention gathers every entry of the table, padding included, so a power-of-two
   ladder reads up to 2x the pages a decode needs; half-steps cap the waste at 1.5x for

@@ -7,13 +7,14 @@ device turns a dtype's `array_name` into a jnp dtype itself).
 """
 
 import dataclasses
+from typing import Any
 
 # Page 0 of the device pool is reserved: padding tokens write there and padded
 # page-table entries point there, so the page pool never hands it out.
 NULL_PAGE = 0
 
 
-def cdiv(a, b):
+def cdiv(a: Any, b: Any) -> Any:
   """Ceiling division, for ints and for traced integer arrays alike."""
   return -(-a // b)
 

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from kvpage.host.pages import NULL_PAGE, PagePool
+from kvpage.host.pages import PagePool
+from kvpage.units import NULL_PAGE
 
 
 def assert_consistent(pool: PagePool) -> None:

@@ -10,10 +10,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import tiny
+from kvpage import units
 from kvpage.device import cache as paged_cache
 from kvpage.sim import capacity
 
 MODEL = tiny.get_config().model
+
+
+def read_sequence(cache: paged_cache.PagedKVCache, layer: int, page_table: jax.Array,
+                  length: int) -> tuple[jax.Array, jax.Array]:
+  """A sequence's keys and values, `[length, num_kv_heads, head_dim]` each."""
+  positions = jnp.arange(length)
+  pages = page_table[positions // cache.page_size]
+  offsets = positions % cache.page_size
+  k = cache.k_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
+  v = cache.v_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
+  return k, v
 
 
 def slots_for(pages: np.ndarray, start: int, count: int, page_size: int) -> np.ndarray:
@@ -67,7 +79,7 @@ def test_write_then_read_round_trips(lengths, page_size, chunk, seed):
       cache = write(cache, layer, np.concatenate(ks), np.concatenate(vs), np.concatenate(slots))
   for table, n, kv in zip(tables, lengths, truth):
     for layer in range(2):
-      k, v = paged_cache.read_sequence(cache, layer, jnp.asarray(table), n)
+      k, v = read_sequence(cache, layer, jnp.asarray(table), n)
       np.testing.assert_array_equal(np.asarray(k), kv[0])
       np.testing.assert_array_equal(np.asarray(v), -kv[0])
   # Padding wrote only into the null page: every real page holds real data or zeros.
@@ -124,7 +136,7 @@ def test_swap_pool_round_trips_pages_and_pads_into_the_null_page(dtype):
   for (_, device_page), (source, _) in zip(copies_in, copies_out):
     assert k_back[:, :, device_page].tobytes() == k[:, :, source].tobytes()
     assert v_back[:, :, device_page].tobytes() == v[:, :, source].tobytes()
-  assert not np.any(k_back[:, :, paged_cache.NULL_PAGE].astype(np.float32))
+  assert not np.any(k_back[:, :, units.NULL_PAGE].astype(np.float32))
   untouched = [page for page in range(1, 10) if page not in (8, 1, 4)]
   assert k_back[:, :, untouched].tobytes() == sevens[:, :, untouched].tobytes()
   assert v_back[:, :, untouched].tobytes() == sevens[:, :, untouched].tobytes()

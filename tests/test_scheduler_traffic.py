@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from configs import scheduler as scheduler_config
 from kvpage.host import scheduler_config as policy
 from kvpage.host.engine import Engine, RequestOutput
-from kvpage.host.pages import NULL_PAGE
 from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Scheduler, SchedulerOutput
+from kvpage.units import NULL_PAGE
 
 MAX_MODEL_LEN = 64
 STOP_TOKEN = 0

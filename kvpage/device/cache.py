@@ -1,17 +1,17 @@
 """The paged KV cache: one pool of fixed-size pages per layer, addressed through slots.
 
 PagedAttention (Kwon et al., SOSP'23) stores a sequence's keys and values in pages of
-`page_size` tokens scattered anywhere in one pool, found through the sequence's block
+`page_size` tokens scattered anywhere in one pool, found through the sequence's page
 table, so no sequence preallocates its maximum length. The layout is head-major,
 
     k_pages, v_pages: [num_layers, num_kv_heads, num_pages, page_size, head_dim]
 
 the layout of JAX's own Pallas paged-attention kernels, so kernels are
 interchangeable. Page 0 is the **null page**: padding tokens write there and padded
-block-table entries point there; the host block manager never hands it out.
+page-table entries point there; the host's page pool never hands it out.
 
 A token's slot is `page * page_size + offset`. Writes go through a `slot_mapping`
-(one slot per new token); reads go through page tables (see `kvpage.device.attention.reference`).
+(one slot per new token); reads go through page tables (`kvpage.device.attention`).
 Every function here is pure and jit-friendly: pass the cache as a donated argument
 and XLA updates the pool in place.
 
@@ -28,22 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpage import batch as batch_lib
+from kvpage import units
 from kvpage.sim import capacity
-
-NULL_PAGE = 0
-
-JNP_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16,
-              "fp8": jnp.float8_e4m3fn}
 
 
 def jnp_dtype(dtype: Any) -> jnp.dtype:
-  """A jnp dtype from kvpage's short names (`bf16`) or anything jnp accepts."""
+  """A jnp dtype from kvpage's short names (`bf16`, see `kvpage.units`) or anything jnp
+  accepts."""
   if isinstance(dtype, str):
-    name = capacity.canonical_dtype(dtype)
-    if name not in JNP_DTYPES:
+    spec = units.DTYPES[units.canonical_dtype(dtype)]
+    if not spec.storable:
+      storable = ", ".join(name for name, d in units.DTYPES.items() if d.storable)
       raise ValueError(f"dtype {dtype!r} is not supported for cache storage; choose one of: "
-                       f"{', '.join(JNP_DTYPES)}")
-    return jnp.dtype(JNP_DTYPES[name])
+                       f"{storable}")
+    return jnp.dtype(spec.array_name)
   return jnp.dtype(dtype)
 
 
@@ -146,17 +144,6 @@ def write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,
                        v_pages=v_flat.reshape(cache.v_pages.shape))
 
 
-def read_sequence(cache: PagedKVCache, layer: int, page_table: jax.Array,
-                  length: int) -> tuple[jax.Array, jax.Array]:
-  """A sequence's keys and values, `[length, num_kv_heads, head_dim]` each (for tests)."""
-  positions = jnp.arange(length)
-  pages = page_table[positions // cache.page_size]
-  offsets = positions % cache.page_size
-  k = cache.k_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
-  v = cache.v_pages[layer][:, pages, offsets, :].transpose(1, 0, 2)
-  return k, v
-
-
 def _gather_pages(cache: PagedKVCache, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
   return cache.k_pages[:, :, pages], cache.v_pages[:, :, pages]
 
@@ -216,6 +203,6 @@ class HostSwapPool:
 
 def _padded(pages: list[int]) -> np.ndarray:
   """`pages` padded with the null page to the next power of two."""
-  padded = np.full(batch_lib.page_bucket(len(pages)), NULL_PAGE, np.int32)
+  padded = np.full(batch_lib.page_bucket(len(pages)), units.NULL_PAGE, np.int32)
   padded[:len(pages)] = pages
   return padded

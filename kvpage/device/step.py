@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvpage import batch as batch_lib
+from kvpage import units
 from kvpage.batch import StepBatch
 from kvpage.device import cache as paged_cache
 from kvpage.device import sampling
@@ -90,7 +91,7 @@ class Step:
       pages = jnp.take_along_axis(row_tables, (positions // page_size)[:, None], 1)[:, 0]
       live = i < row_steps
       slots = jnp.where(live, pages * page_size + positions % page_size,
-                        paged_cache.NULL_PAGE * page_size)
+                        units.NULL_PAGE * page_size)
       step_batch = batch._replace(
           token_ids=tokens, positions=positions, slot_mapping=slots,
           context_lens=batch.context_lens + advance[:num_seqs],

@@ -1,6 +1,6 @@
 """The serving loop: schedule -> build batch -> execute -> update -> outputs.
 
-`Engine` joins the host world (scheduler, block manager) and the device world (an
+`Engine` joins the host world (scheduler, page pool) and the device world (an
 executor) and is model-agnostic: it speaks only `SchedulerOutput` and sampled token
 ids. An offline API in the spirit of vLLM's `LLM`: `add_request` returns the admission
 answer, `step` runs one iteration and returns each request's new tokens and whether

@@ -25,7 +25,7 @@ import collections
 
 import numpy as np
 
-NULL_PAGE = 0
+from kvpage.units import cdiv
 
 
 class PagePool:
@@ -89,7 +89,7 @@ class PagePool:
 
   def pages_for(self, num_tokens: int) -> int:
     """Pages that hold `num_tokens` tokens (ceil division)."""
-    return -(-num_tokens // self.page_size)
+    return cdiv(num_tokens, self.page_size)
 
   def page_table(self, request_id: str) -> list[int]:
     """The request's live page table (empty if none); callers must not mutate it."""

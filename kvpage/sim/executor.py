@@ -27,6 +27,7 @@ hands back; nothing compiles, so `warmup` does nothing and `num_compiles` is 0.
 import dataclasses
 from typing import Any
 
+from kvpage import units
 from kvpage.interface import Executor, Samples, SchedulerOutput
 from kvpage.sim import capacity
 from kvpage.sim.clock import VirtualClock
@@ -66,7 +67,7 @@ class Roofline:
     self.embedding_parameters = model.vocab_size * model.d_model
     self.layer_parameters = capacity.num_parameters(model) - self.embedding_parameters * (
         1 if model.tie_embeddings else 2)
-    self.weight_itemsize = capacity.dtype_bytes(weight_dtype)
+    self.weight_itemsize = units.dtype_bytes(weight_dtype)
     # Read every step: decoder layers and the LM head (which is the table, when tied).
     self.weight_bytes = (self.layer_parameters + self.embedding_parameters) * self.weight_itemsize
     self.kv_bytes_per_token = capacity.kv_bytes_per_token(model, kv_dtype or weight_dtype)

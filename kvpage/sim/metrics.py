@@ -96,7 +96,7 @@ class MetricsRecorder:
           queue_wait_s=None if scheduled is None else scheduled - arrival,
           ttft_s=None if first is None else first - arrival, tpot_s=tpot,
           e2e_s=None if done is None else done - arrival, itl_s=gaps,
-          num_preemptions=getattr(request, "num_preemptions", 0)))
+          num_preemptions=request.num_preemptions))
     return rows
 
   def summary(self, premises: dict[str, Any], slo_ttft_s: float | None = None,

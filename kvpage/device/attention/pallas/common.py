@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from kvpage.device.attention import reference
+from kvpage.units import cdiv
 
 try:  # The Triton backend may be removed from future JAX releases (see above).
   from jax.experimental.pallas import triton as pltriton
@@ -49,10 +50,6 @@ TARGET_PROGRAMS = 264
 
 def next_power_of_2(n: int) -> int:
   return 1 if n <= 1 else 2 ** math.ceil(math.log2(n))
-
-
-def cdiv(a, b):
-  return (a + b - 1) // b
 
 
 def compiler_params(interpret: bool, *, num_warps: int = 4, num_stages: int = 2):

@@ -35,6 +35,7 @@ from jax.experimental import pallas as pl
 
 from kvpage.device.attention import reference
 from kvpage.device.attention.pallas import common
+from kvpage.units import cdiv
 
 # Keys per KV tile (one loop step) for 2-byte dtypes: 8 pages of 16, as JAX's Triton paged
 # attention. Halved for fp32 so the K and V tiles still fit shared memory with 2 stages.
@@ -73,7 +74,7 @@ def _decode_kernel(context_len_ref, page_tables_ref, q_ref, k_pages_ref, v_pages
 
   state = reference.init_softmax_state((q.shape[0],), head_dim)
   running_max, denominator, acc = jax.lax.fori_loop(
-      0, common.cdiv(split_len, tile_len), fold_tile, state)
+      0, cdiv(split_len, tile_len), fold_tile, state)
   max_ref[...] = running_max
   denominator_ref[...] = denominator
   acc_ref[...] = acc
@@ -142,12 +143,12 @@ def decode_tiling(num_seqs: int, num_kv_heads: int, max_pages: int, page_size: i
   if pages_per_tile is None:
     pages_per_tile = common.pages_per_tile(page_size, max_pages,
                                              TOKENS_PER_TILE * 2 // max(itemsize, 2))
-  num_tiles = common.cdiv(max_pages, pages_per_tile)
+  num_tiles = cdiv(max_pages, pages_per_tile)
   if num_splits is None:
-    num_splits = common.cdiv(common.TARGET_PROGRAMS, num_seqs * num_kv_heads)
+    num_splits = cdiv(common.TARGET_PROGRAMS, num_seqs * num_kv_heads)
   num_splits = max(1, min(num_splits, num_tiles))
-  tiles_per_split = common.cdiv(num_tiles, num_splits)
-  num_splits = common.cdiv(num_tiles, tiles_per_split)  # no split left empty by rounding
+  tiles_per_split = cdiv(num_tiles, num_splits)
+  num_splits = cdiv(num_tiles, tiles_per_split)  # no split left empty by rounding
   return pages_per_tile, num_splits, tiles_per_split * pages_per_tile
 
 

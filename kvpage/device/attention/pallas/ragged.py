@@ -38,6 +38,7 @@ from jax.experimental import pallas as pl
 
 from kvpage.device.attention import reference, xla
 from kvpage.device.attention.pallas import common
+from kvpage.units import cdiv
 
 TOKENS_PER_TILE = 64  # keys per KV tile (one loop step) for 2-byte dtypes; halved for fp32
 QUERY_ROWS = 64  # target rows (tokens x group) of a query block
@@ -77,7 +78,7 @@ def _ragged_kernel(schedule_ref, page_tables_ref, q_ref, k_pages_ref, v_pages_re
 
   # Keys up to the block's last real token; unused grid slots have num_rows = 0.
   num_keys = jnp.where(num_rows > 0, first_position + num_rows, 0)
-  state = jax.lax.fori_loop(0, common.cdiv(num_keys, tile_len), fold_tile,
+  state = jax.lax.fori_loop(0, cdiv(num_keys, tile_len), fold_tile,
                             reference.init_softmax_state((rows,), head_dim))
   out = reference.normalize(state)
   o_ref[...] = out.reshape(block_q, group, head_dim).astype(o_ref.dtype)
@@ -150,7 +151,7 @@ def ragged_mixed_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   if pages_per_tile is None:
     pages_per_tile = common.pages_per_tile(page_size, page_tables.shape[1],
                                              TOKENS_PER_TILE * 2 // max(q.dtype.itemsize, 2))
-  max_pages = common.cdiv(page_tables.shape[1], pages_per_tile) * pages_per_tile
+  max_pages = cdiv(page_tables.shape[1], pages_per_tile) * pages_per_tile
   tables = jnp.pad(page_tables.astype(jnp.int32),
                    ((0, 0), (0, max_pages - page_tables.shape[1])))
   schedule, block_rows = schedule_query_blocks(
