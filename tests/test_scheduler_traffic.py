@@ -3,7 +3,8 @@
 Hypothesis draws the knobs (both prefill policies, all three preemption modes, pools
 of a few pages that force pressure, small host pools, synchronous or async
 scheduling, one or several decode iterations per launch) and a traffic plan
-(arrivals with random lengths and priorities, stop tokens, aborts), and runs it
+(arrivals with random lengths and priorities, stop tokens, aborts, resubmissions of a
+live request's id and reuse of an aborted one's), and runs it
 through an `Engine` over the tests' fake executor (`engine_utils.FakeExecutor`). The
 fake plays the device: it writes (request, position, token) into the KV slot of
 every computed token, performs the swap copies, and before each step checks that
@@ -11,10 +12,17 @@ every earlier position of the sequence still reads back what was written, and th
 every token it is fed, placeholders of async scheduling included, is the model's.
 That catches any page handed to two requests, any swap that lost a page, any
 recompute that skipped a token and any token lost or fed twice — the cache content
-itself is the oracle.
+itself is the oracle. Every submitted request must end in exactly one terminal state
+(finished or rejected) and be reported exactly once.
+
+`test_ten_thousand_steps` runs seeded plans until each prefill policy and preemption
+mode has taken `STEPS_PER_CASE` steps over all four loops, so the default test run
+steps the scheduler at least `MIN_TOTAL_STEPS` times.
 """
 
+import collections
 import dataclasses
+import itertools
 import random
 import zlib
 
@@ -27,7 +35,7 @@ from configs import scheduler as scheduler_config
 from kvpage.host import scheduler_config as policy
 from kvpage.host.engine import Engine, RequestOutput
 from kvpage.host.request import Request, RequestStatus, SamplingParams
-from kvpage.host.scheduler import Scheduler, SchedulerOutput
+from kvpage.host.scheduler import Admission, Scheduler, SchedulerOutput
 from kvpage.units import NULL_PAGE
 
 MAX_MODEL_LEN = 64
@@ -90,49 +98,72 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput,
   assert out.num_steps <= config.num_decode_steps
 
 
+# How an arrival picks its id: a fresh one, a live request's (a duplicate: 400), or one
+# the test aborted earlier (reuse; a duplicate too if that id is live again).
+FRESH, LIVE, ABORTED = "fresh", "live", "aborted"
+
+
 @dataclasses.dataclass
 class Arrival:
   num_prompt: int
   max_tokens: int
   priority: int
   stops: bool
+  reuse: str = FRESH
 
 
 arrivals = st.builds(Arrival, st.integers(1, 40), st.integers(1, 24), st.integers(0, 3),
-                     st.booleans())
+                     st.booleans(), st.sampled_from([FRESH] * 6 + [LIVE, ABORTED]))
 plans = st.lists(st.tuples(st.lists(arrivals, max_size=3), st.lists(st.integers(0, 99),
                                                                     max_size=1)),
                  min_size=1, max_size=25)
 
 
+class Pick:
+  """Knob choices from hypothesis (`draw`) or from a seeded `random.Random`."""
+
+  def __init__(self, draw=None, rng: random.Random | None = None):
+    self.draw, self.rng = draw, rng
+
+  def integer(self, low: int, high: int) -> int:
+    return self.rng.randint(low, high) if self.rng else self.draw(st.integers(low, high))
+
+  def choice(self, options: list):
+    return self.rng.choice(options) if self.rng else self.draw(st.sampled_from(options))
+
+
 def make_scheduler(draw, policy: str, mode: str, loop: tuple[bool, int] | None = None
                    ) -> Scheduler:
-  """Knobs biased towards pressure: small pools, optimistic output estimates. `loop`:
-  (async scheduling, decode iterations per launch), drawn when None."""
-  async_scheduling, num_decode_steps = loop or (draw(st.booleans()),
-                                                draw(st.sampled_from([1, 4])))
+  """Knobs biased towards pressure: small pools, optimistic output estimates. `draw`: a
+  hypothesis draw or a `Pick`; `loop`: (async scheduling, decode iterations per launch),
+  drawn when None."""
+  pick = draw if isinstance(draw, Pick) else Pick(draw)
+  async_scheduling, num_decode_steps = loop or (pick.choice([False, True]),
+                                                pick.choice([1, 4]))
   config = scheduler_config.get_scheduler_config()
   config.update(
       prefill_policy=policy, preemption_mode=mode,
-      max_num_seqs=draw(st.integers(1, 6)),
-      max_num_batched_tokens=draw(st.integers(MAX_MODEL_LEN if policy == "none" else 1, 96)),
-      chunk_size=draw(st.sampled_from([0, 1, 5, 16])),
-      max_waiting=draw(st.integers(1, 8)), watermark=draw(st.sampled_from([0.0, 0.0, 0.2])),
-      output_estimate=draw(st.sampled_from(["fixed", "fixed", "running_mean", "max_tokens"])),
-      fixed_output_estimate=draw(st.integers(1, 8)),
+      max_num_seqs=pick.integer(1, 6),
+      max_num_batched_tokens=pick.integer(MAX_MODEL_LEN if policy == "none" else 1, 96),
+      chunk_size=pick.choice([0, 1, 5, 16]),
+      max_waiting=pick.integer(1, 8), watermark=pick.choice([0.0, 0.0, 0.2]),
+      output_estimate=pick.choice(["fixed", "fixed", "running_mean", "max_tokens"]),
+      fixed_output_estimate=pick.integer(1, 8),
       async_scheduling=async_scheduling, num_decode_steps=num_decode_steps)
-  page_size = draw(st.sampled_from([1, 2, 4, 8]))
-  num_pages = 1 + draw(st.integers(24, 128)) // page_size  # 24 to 128 tokens of KV
+  page_size = pick.choice([1, 2, 4, 8])
+  num_pages = 1 + pick.integer(24, 128) // page_size  # 24 to 128 tokens of KV
   return Scheduler(config, num_pages=num_pages, page_size=page_size,
-                   max_model_len=MAX_MODEL_LEN, num_host_pages=draw(st.integers(0, 24)),
+                   max_model_len=MAX_MODEL_LEN, num_host_pages=pick.integer(0, 24),
                    clock=lambda: 0.0)
 
 
 def heavy_plan(seed: int, num_steps: int = 30) -> list:
-  """Seeded bursty traffic: up to 3 arrivals a step, outputs longer than prompts, aborts."""
+  """Seeded bursty traffic: up to 3 arrivals a step, outputs longer than prompts, aborts,
+  duplicate ids and ids reused after an abort."""
   rng = random.Random(seed)
   return [([Arrival(rng.randint(1, 24), rng.randint(4, 40), rng.randint(0, 3),
-                    rng.random() < 0.3) for _ in range(rng.randint(0, 3))],
+                    rng.random() < 0.3, rng.choice([FRESH] * 8 + [LIVE, ABORTED]))
+            for _ in range(rng.randint(0, 3))],
            [rng.randint(0, 99)] if rng.random() < 0.05 else [])
           for _ in range(num_steps)]
 
@@ -153,30 +184,35 @@ def traffic_engine(scheduler: Scheduler, seed: int) -> Engine:
   return engine
 
 
+STEPS: collections.Counter[str] = collections.Counter()  # scheduler steps per config
+ID_CASES: collections.Counter[str] = collections.Counter()  # (id choice: answer) seen
+
+
 def run_traffic(scheduler: Scheduler, plan: list,
                 seed: int) -> tuple[list[Request], FakeExecutor]:
   """Feeds `plan` (per step: arrivals, abort picks), steps until idle, checks everything;
   returns the admitted requests and the executor."""
   engine = traffic_engine(scheduler, seed)
+  submitted: list[Request] = []
   admitted: list[Request] = []
-  aborted_by_test: set[str] = set()
+  aborted_by_test: set[Request] = set()
   outputs: list[RequestOutput] = []
+  reported_rejections: list[Admission] = []
+  engine.on_step = lambda output, *_: reported_rejections.extend(output.rejected)
   plan = list(plan)
   num_steps = 0
   while plan or engine.has_unfinished():
     if plan:
       new, aborts = plan.pop(0)
       for arrival in new:
-        stops = (STOP_TOKEN,) if arrival.stops else ()
-        request, answer = engine.add_request(
-            [5] * arrival.num_prompt, SamplingParams(arrival.max_tokens, stop_token_ids=stops),
-            request_id=f"r{num_steps}-{len(admitted)}", priority=arrival.priority)
-        if answer.admitted:
+        request = submit(engine, arrival, f"r{num_steps}-{len(submitted)}", aborted_by_test)
+        submitted.append(request)
+        if request.status is not RequestStatus.REJECTED:
           admitted.append(request)
       live = sorted(scheduler.requests)
       for index in aborts:
         if live:
-          aborted_by_test.add(live[index % len(live)])
+          aborted_by_test.add(scheduler.requests[live[index % len(live)]])
           assert engine.abort(live.pop(index % len(live)))
     outputs.extend(engine.step())
     check_pages(scheduler)
@@ -186,13 +222,38 @@ def run_traffic(scheduler: Scheduler, plan: list,
     # Liveness: every admitted request gets through in a bounded number of steps.
     assert num_steps <= 40 + 30 * sum(r.num_prompt_tokens + r.sampling.max_tokens
                                       for r in admitted), "scheduler stopped making progress"
+  config = scheduler.config
+  STEPS[f"{config.prefill_policy}/{config.preemption_mode}"] += num_steps
   check_drained(scheduler, admitted, aborted_by_test)
   check_outputs(engine, admitted, outputs, aborted_by_test)
+  check_terminal(submitted, reported_rejections)
   assert isinstance(engine.executor, FakeExecutor)
   return admitted, engine.executor
 
 
-def check_drained(scheduler: Scheduler, admitted: list[Request], aborted: set[str]) -> None:
+def submit(engine: Engine, arrival: Arrival, fresh_id: str, aborted: set[Request]) -> Request:
+  """Submits `arrival` under the id its `reuse` asks for; a duplicate of a live id must be
+  a 400 that leaves the live request untouched."""
+  live = engine.scheduler.requests
+  candidates = {LIVE: sorted(live), ABORTED: sorted({r.request_id for r in aborted}),
+                FRESH: []}[arrival.reuse]
+  request_id = candidates[arrival.num_prompt % len(candidates)] if candidates else fresh_id
+  holder = live.get(request_id)
+  before = None if holder is None else (holder.status, len(holder.events))
+  stops = (STOP_TOKEN,) if arrival.stops else ()
+  request, answer = engine.add_request(
+      [5] * arrival.num_prompt, SamplingParams(arrival.max_tokens, stop_token_ids=stops),
+      request_id=request_id, priority=arrival.priority)
+  if holder is not None:
+    assert answer.status == 400 and "duplicate" in answer.reason
+    assert (holder.status, len(holder.events)) == before and live[request_id] is holder
+  assert (request.status is RequestStatus.REJECTED) == (not answer.admitted)
+  ID_CASES[f"{arrival.reuse}: {'duplicate' if holder else answer.status}"] += 1
+  return request
+
+
+def check_drained(scheduler: Scheduler, admitted: list[Request],
+                  aborted: set[Request]) -> None:
   """Idle: every page is back (device and host) and every request ended for a good reason."""
   bm = scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages and bm.num_free_host_pages == bm.num_host_pages
@@ -200,7 +261,7 @@ def check_drained(scheduler: Scheduler, admitted: list[Request], aborted: set[st
   mode = scheduler.config.preemption_mode
   for request in admitted:
     assert request.status is RequestStatus.FINISHED and request.page_ids == []
-    if request.request_id in aborted and request.finish_reason == "aborted":
+    if request in aborted and request.finish_reason == "aborted":
       continue
     # Only the abort policy may end a request early: under recompute and swap a running
     # request never fails because another one grew.
@@ -213,27 +274,53 @@ def check_drained(scheduler: Scheduler, admitted: list[Request], aborted: set[st
 
 
 def check_outputs(engine: Engine, admitted: list[Request], outputs: list[RequestOutput],
-                  aborted: set[str]) -> None:
-  """Every token is the model's and streamed once, in order; every request ends once;
-  every launched step was collected."""
+                  aborted: set[Request]) -> None:
+  """Every token is the model's and streamed once, in order; every admitted request ends
+  once, reported once, even when its id was reused; every launched step was collected."""
   executor = engine.executor
   assert isinstance(executor, FakeExecutor)
   assert engine._in_flight is None
   assert executor.in_flight == 0 and executor.num_submitted == executor.num_collected
+  # Per id, the outputs are the streams of its requests in admission order, each ended by
+  # exactly one `finished` output.
+  streams: dict[str, list[list[RequestOutput]]] = collections.defaultdict(lambda: [[]])
+  for output in outputs:
+    streams[output.request_id][-1].append(output)
+    if output.finished:
+      streams[output.request_id].append([])
+  by_id: dict[str, list[Request]] = collections.defaultdict(list)
   for request in admitted:
-    prompt_len = request.num_prompt_tokens
-    assert request.output_ids == [expected_token(request, prompt_len + i, executor.sample)
-                                  for i in range(request.num_output_tokens)]
-    assert request.event_kinds().count("finished") == 1
-    mine = [o for o in outputs if o.request_id == request.request_id]
-    assert [t for o in mine for t in o.new_token_ids] == request.output_ids
-    ends = [o.finished for o in mine].count(True)
-    if request.request_id in aborted:
-      assert ends <= 1  # an abort after the last step is never echoed by a step
-    else:
-      assert ends == 1 and mine[-1].finished
-    if request.finish_reason == "stop":
-      assert STOP_TOKEN not in request.output_ids[:-1]
+    by_id[request.request_id].append(request)
+  for request_id, requests in by_id.items():
+    assert streams[request_id][-1] == [], f"{request_id}: outputs after its last end"
+    assert len(streams[request_id]) - 1 == len(requests), f"{request_id}: ends != requests"
+    for request, mine in zip(requests, streams[request_id], strict=False):
+      check_stream(request, mine, executor)
+  assert set(streams) <= set(by_id)
+
+
+def check_stream(request: Request, mine: list[RequestOutput], executor: FakeExecutor) -> None:
+  """One request's outputs: the model's tokens, in order, then one end with its reason."""
+  prompt_len = request.num_prompt_tokens
+  assert request.output_ids == [expected_token(request, prompt_len + i, executor.sample)
+                                for i in range(request.num_output_tokens)]
+  assert [t for o in mine for t in o.new_token_ids] == request.output_ids
+  assert [o.finished for o in mine].count(True) == 1 and mine[-1].finished
+  assert mine[-1].finish_reason == request.finish_reason
+  if request.finish_reason == "stop":
+    assert STOP_TOKEN not in request.output_ids[:-1]
+
+
+def check_terminal(submitted: list[Request], reported: list[Admission]) -> None:
+  """Every request ends in exactly one terminal state; each rejection is reported once."""
+  for request in submitted:
+    assert request.is_finished, (request.request_id, request.status)
+    kinds = request.event_kinds()
+    assert kinds.count("finished") + kinds.count("rejected") == 1, kinds
+    assert (request.status is RequestStatus.REJECTED) == ("rejected" in kinds)
+  rejected = collections.Counter(r.request_id for r in submitted
+                                 if r.status is RequestStatus.REJECTED)
+  assert collections.Counter(a.request_id for a in reported) == rejected
 
 
 @settings(max_examples=40, deadline=None)
@@ -287,3 +374,31 @@ def test_heavy_traffic_really_preempts(policy, mode, async_scheduling):
   stats = scheduler.stats()
   assert len(admitted) >= 8 and stats["preemptions"][mode] > 0
   assert bool(swap_copies) == (mode == "swap")
+
+
+STEPS_PER_CASE = 1_700  # per prefill policy x preemption mode, over all four loops
+MIN_TOTAL_STEPS = 10_000
+assert STEPS_PER_CASE * len(policy.PREFILL_POLICIES) * len(policy.PREEMPTION_MODES) >= (
+    MIN_TOTAL_STEPS)
+
+
+@pytest.mark.parametrize("mode", policy.PREEMPTION_MODES)
+@pytest.mark.parametrize("prefill", policy.PREFILL_POLICIES)
+def test_ten_thousand_steps(prefill, mode):
+  """Seeded plans, cycling through every loop, until this case has run its share of the
+  `MIN_TOTAL_STEPS`; the six cases together run at least that many."""
+  key = f"{prefill}/{mode}"
+  start = STEPS[key]
+  loops_run = set()
+  for run in itertools.count():
+    loop = list(LOOPS)[run % len(LOOPS)]
+    seed = zlib.crc32(f"{key}/{run}".encode())
+    rng = random.Random(seed)
+    scheduler = make_scheduler(Pick(rng=rng), prefill, mode, LOOPS[loop])
+    run_traffic(scheduler, heavy_plan(seed), seed)
+    loops_run.add(loop)
+    if STEPS[key] - start >= STEPS_PER_CASE and len(loops_run) == len(LOOPS):
+      break
+  assert STEPS[key] - start >= STEPS_PER_CASE
+  # Not vacuous: live ids were resubmitted, and aborted ids reused and admitted.
+  assert ID_CASES["live: duplicate"] and ID_CASES["aborted: 200"]

@@ -53,7 +53,7 @@ class Engine:
     self.on_step = on_step
     self._ids = itertools.count()
     self.idle_steps = 0  # consecutive steps that scheduled nothing
-    self._reported: set[str] = set()  # finished in update(), not yet echoed by schedule()
+    self._reported: set[Request] = set()  # finished in update(), not yet echoed by schedule()
 
   @property
   def clock(self) -> Callable[[], float]:
@@ -111,24 +111,25 @@ class Engine:
                   for seq in output.scheduled if seq.request_id in before}
     if self.on_step is not None:
       self.on_step(output, new_tokens, finished)
-    touched = {seq.request_id: seq.request for seq in output.scheduled
-               if seq.request_id not in void}
+    # Keyed by the request itself, not its id: an id reused after an abort names two
+    # requests, and each must report its own end. Earlier ends (abort, preemption) come
+    # first, so a reused id streams the old request's end before the new one's tokens.
     # `output.finished` repeats requests that the previous `update` finished (and
-    # reported); only those that ended otherwise (abort, preemption) are new here.
+    # reported); only those that ended otherwise are new here.
+    touched: dict[Request, list[int]] = {}  # each request's new tokens, in report order
     for request in output.finished:
-      if request.request_id not in self._reported:
-        touched[request.request_id] = request
-      self._reported.discard(request.request_id)
+      if request not in self._reported:
+        touched[request] = []
+      self._reported.discard(request)
+    for seq in output.scheduled:
+      if seq.request_id not in void:
+        touched[seq.request] = new_tokens.get(seq.request_id, [])
     for request in finished:
-      touched[request.request_id] = request
-      self._reported.add(request.request_id)
-    outputs = []
-    for request_id, request in touched.items():
-      done = request.status is RequestStatus.FINISHED
-      if request_id in sampled or done:
-        outputs.append(RequestOutput(request_id, new_tokens.get(request_id, []), done,
-                                     request.finish_reason, request.status.value))
-    return outputs
+      self._reported.add(request)
+    return [RequestOutput(request.request_id, tokens, request.status is RequestStatus.FINISHED,
+                          request.finish_reason, request.status.value)
+            for request, tokens in touched.items()
+            if request.request_id in sampled or request.status is RequestStatus.FINISHED]
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams]) -> list[Request]:

@@ -101,26 +101,29 @@ class Scheduler:
 
   # Arrivals and departures.
   def add_request(self, request: Request) -> Admission:
-    """Answers an arrival: 200 admitted (queued), or 400/429/503 with a reason."""
+    """Answers an arrival: 200 admitted (queued), or 400/429/503 with a reason.
+
+    A rejected request ends `REJECTED` with the answer in its log, reported once in the
+    next output's `rejected`. An id held by a live request is a 400; the live request
+    is left untouched even when `request` is that very object (a resubmission).
+    """
     now = self.clock()
-    if request.request_id in self.requests:
-      # Answer without touching the request: it may be the live object itself.
-      self._rejections[400] += 1
-      answer = Admission(400, f"duplicate request_id {request.request_id!r}", None,
-                         request.request_id)
-      self._rejected.append(answer)
+    live = self.requests.get(request.request_id)
+    if live is request:
+      answer = self._duplicate(request)
+      self._count_rejection(answer)
       return answer
     if request.arrival_time is None:
       request.arrival_time = now
     request.log(now, "queued", num_prompt_tokens=request.num_prompt_tokens,
                 max_tokens=request.sampling.max_tokens, priority=request.priority)
-    answer = self.admission.decide(request, len(self.waiting), now)
+    answer = (self._duplicate(request) if live is not None
+              else self.admission.decide(request, len(self.waiting), now))
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
       request.log(now, "rejected", status=answer.status, reason=answer.reason,
                   retry_after=answer.retry_after)
-      self._rejections[answer.status] += 1
-      self._rejected.append(answer)
+      self._count_rejection(answer)
       return answer
     request.status = RequestStatus.WAITING
     request.admission_index = self._num_admitted
@@ -130,6 +133,15 @@ class Scheduler:
     self.admission.add_backlog(request)
     request.log(now, "admitted", estimated_pages=self.admission.estimate_pages(request))
     return answer
+
+  @staticmethod
+  def _duplicate(request: Request) -> Admission:
+    return Admission(400, f"duplicate request_id {request.request_id!r}: a live request "
+                     "holds it", None, request.request_id)
+
+  def _count_rejection(self, answer: Admission) -> None:
+    self._rejections[answer.status] += 1
+    self._rejected.append(answer)
 
   def abort(self, request_id: str) -> bool:
     """Ends a request in any state and frees all it holds; False if it is not live."""
