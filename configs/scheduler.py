@@ -22,9 +22,13 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       output_estimate="max_tokens",  # expected output tokens: max_tokens | fixed | running_mean
       fixed_output_estimate=256,  # used by output_estimate="fixed"
       output_estimate_window=1000,  # finished requests averaged by "running_mean"
-      retry_after_window_s=10.0,  # page frees this recent set the retry_after rate
-      default_retry_after_s=1.0,  # retry_after when no page has been freed recently
+      retry_after_window_s=10.0,  # page frees and queue departures this recent set the rates
+      default_retry_after_s=1.0,  # retry_after when nothing drained recently
       max_retry_after_s=60.0,
+      # Stretch each retry hint by a seeded factor in [1, 1 + retry_jitter) so clients
+      # told the same moment spread out; 0 = exact hints.
+      retry_jitter=0.0,
+      retry_jitter_seed=0,
       # Chunked prefill (Sarathi-Serve, OSDI'24): none = whole prompts, prefill-first;
       # chunked = decode-first, prefill chunks fill the rest of the token budget.
       prefill_policy="chunked",

@@ -25,19 +25,23 @@ load of long outputs that buffer can run out, and preemption takes over; reservi
 each running request's full remaining growth would never preempt, at the price of a
 mostly idle cache.
 
-A rejection carries `retry_after`: the seconds until enough pages should be free,
-from the rate at which finished and aborted requests returned pages recently.
+A rejection carries `retry_after`, raw seconds from the one wait estimator
+(`kvpage.host.wait_estimate`): for a 503 the pages short of the line (backlog
+included) and those promised to clients rejected before, over the recent page-free
+rate; for a 429 the queue places missing, over the queue's recent departure rate.
 
 Pure Python: never imports jax.
 """
 
 import collections
 import dataclasses
+from collections.abc import Sequence
 
 import ml_collections
 
 from kvpage.host.pages import PagePool
 from kvpage.host.request import Request
+from kvpage.host.wait_estimate import WaitEstimator
 
 OK, BAD_REQUEST, TOO_MANY_REQUESTS, SERVICE_UNAVAILABLE = 200, 400, 429, 503
 
@@ -69,7 +73,7 @@ class AdmissionControl:
     self._recent_outputs: collections.deque[int] = collections.deque(
         maxlen=config.output_estimate_window)
     self._recent_outputs_sum = 0
-    self._recent_frees: collections.deque[tuple[float, int]] = collections.deque()
+    self.wait = WaitEstimator(config, page_pool)
     self._backlog: dict[str, int] = {}  # estimated pages of admitted, non-running requests
     self.num_backlog_pages = 0
 
@@ -91,8 +95,12 @@ class AdmissionControl:
     tokens = request.num_prompt_tokens + self.expected_output_tokens(request)
     return self.page_pool.pages_for(tokens)
 
-  def decide(self, request: Request, num_waiting: int, now: float) -> Admission:
-    """400, 503, 429 or 200 for an arriving request (see the module docstring)."""
+  def decide(self, request: Request, num_waiting: int, now: float,
+             running: Sequence[Request] = (), key: object = None) -> Admission:
+    """400, 503, 429 or 200 for an arriving request (see the module docstring).
+
+    `running` and `key` (which changes whenever `running` may have) feed the wait
+    estimator's forecast of when pages free up."""
     rid, pool = request.request_id, self.page_pool
     max_tokens = request.sampling.max_tokens
     total = request.num_prompt_tokens + max_tokens
@@ -120,29 +128,58 @@ class AdmissionControl:
       return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
                        f"({self.watermark_pages:.1f} of {pool.num_usable_pages} pages kept free) "
                        "even in an empty cache", None, rid)
-    left = pool.num_free_pages - self.num_backlog_pages - estimate
+    left = self.pages_left(estimate)
     if left < self.watermark_pages:
       return Admission(
           SERVICE_UNAVAILABLE,
           f"cache pressure: {estimate} pages for this request + {self.num_backlog_pages} for "
           f"admitted waiting requests would leave {left} of {pool.num_free_pages} free pages, "
           f"under the watermark of {self.watermark_pages:.1f}",
-          self.retry_after(self.watermark_pages - left, now), rid)
+          self.wait.retry_after_pages(self.watermark_pages - left, estimate, now, running, key),
+          rid)
     if num_waiting >= self.config.max_waiting:
       return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of "
-                       f"{self.config.max_waiting})", self.retry_after(estimate, now), rid)
+                       f"{self.config.max_waiting})",
+                       self.wait.retry_after_slots(num_waiting - self.config.max_waiting + 1,
+                                                   now), rid)
     return Admission(OK, "admitted", None, rid)
 
-  def retry_after(self, num_pages: float, now: float) -> float:
-    """Seconds until `num_pages` more pages should be free, at the recent rate of frees."""
-    self._forget_old_frees(now)
+  def pages_left(self, estimate: int) -> int:
+    """Free pages left after the admitted backlog and a request of `estimate` pages."""
+    return self.page_pool.num_free_pages - self.num_backlog_pages - estimate
+
+  def eta(self, request: Request, waiting: Sequence[Request], now: float,
+          running: Sequence[Request] = (), key: object = None) -> float:
+    """Seconds until an admitted request that holds no device pages should be scheduled:
+    the pages of everything ahead of it in `waiting` plus its own first pages, short of
+    the free pages, at the page-free rate, and its place in the queue at the departure
+    rate, whichever is longer. A swapped request (not in `waiting`) resumes first and
+    needs only its own pages. The configured default where nothing drained recently."""
+    pool, pages, ahead = self.page_pool, 0, 0
+    if request in waiting:
+      for other in waiting:
+        if other is request:
+          break
+        pages += self._backlog.get(other.request_id, 0)
+        ahead += 1
     config = self.config
-    if not self._recent_frees:
-      return config.default_retry_after_s
-    # Pages per second over the whole window, not since the first free in it: one
-    # burst of frees must not promise a rate the server cannot sustain.
-    rate = sum(num for _, num in self._recent_frees) / config.retry_after_window_s
-    return min(config.max_retry_after_s, max(num_pages, 1.0) / rate)
+    first = request.num_tokens if config.prefill_policy == "none" else min(
+        request.num_tokens, config.chunk_size or config.max_num_batched_tokens)
+    pages += len(request.host_page_ids) or pool.pages_for(first)
+    short = pages - pool.num_free_pages
+    if short <= 0 and ahead == 0:
+      return 0.0
+    forecast = self.wait.drain_forecast(running, key, now)
+    estimates = (self.wait.seconds_for_pages(short, now, forecast),
+                 self.wait.seconds_for_slots(ahead, now))
+    known = [seconds for seconds in estimates if seconds is not None]
+    return max(known) if known else config.default_retry_after_s
+
+  def admissible(self, request: Request, num_waiting: int) -> bool:
+    """Whether the cache and the queue would take `request` now (one that passed the
+    400 checks); no side effects, so a study can probe it at any moment."""
+    return (self.pages_left(self.estimate_pages(request)) >= self.watermark_pages
+            and num_waiting < self.config.max_waiting)
 
   # Bookkeeping the scheduler calls.
   def add_backlog(self, request: Request) -> None:
@@ -155,10 +192,8 @@ class AdmissionControl:
     self.num_backlog_pages -= self._backlog.pop(request.request_id, 0)
 
   def record_free(self, num_pages: int, now: float) -> None:
-    """Pages that a finished or aborted request handed back: the retry_after rate."""
-    if num_pages:
-      self._recent_frees.append((now, num_pages))
-      self._forget_old_frees(now)
+    """Pages that a finished or aborted request handed back: the page-free rate."""
+    self.wait.record_free(num_pages, now)
 
   def record_output(self, request: Request) -> None:
     """An output length for the running mean (requests that ended by length or stop)."""
@@ -166,8 +201,3 @@ class AdmissionControl:
       self._recent_outputs_sum -= self._recent_outputs[0]
     self._recent_outputs.append(request.num_output_tokens)
     self._recent_outputs_sum += request.num_output_tokens
-
-  def _forget_old_frees(self, now: float) -> None:
-    horizon = now - self.config.retry_after_window_s
-    while self._recent_frees and self._recent_frees[0][0] < horizon:
-      self._recent_frees.popleft()

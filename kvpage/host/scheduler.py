@@ -53,7 +53,7 @@ from typing import Any, cast
 
 import ml_collections
 
-from kvpage.host import scheduler_config
+from kvpage.host import multi_step, scheduler_config
 from kvpage.host.admission import Admission, AdmissionControl
 from kvpage.host.pages import PagePool
 from kvpage.host.request import Request, RequestStatus
@@ -118,7 +118,8 @@ class Scheduler:
     request.log(now, "queued", num_prompt_tokens=request.num_prompt_tokens,
                 max_tokens=request.sampling.max_tokens, priority=request.priority)
     answer = (self._duplicate(request) if live is not None
-              else self.admission.decide(request, len(self.waiting), now))
+              else self.admission.decide(request, len(self.waiting), now, self.running,
+                                         self._forecast_key()))
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
       request.log(now, "rejected", status=answer.status, reason=answer.reason,
@@ -157,6 +158,7 @@ class Scheduler:
   def schedule(self) -> SchedulerOutput:
     """Decides the next step's batch; see the module docstring for the order."""
     self._step += 1
+    self.admission.wait.record_step(self.clock())
     # Requests finished this step (abort-mode preemption) join those finished since
     # the last output, so each finished request is reported exactly once.
     out = SchedulerOutput(step=self._step, finished=self._finished, rejected=self._rejected)
@@ -178,7 +180,10 @@ class Scheduler:
     out.scheduled = list(self._scheduled.values())
     out.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
     self._finished = []
-    self._extend_decodes(out)
+    multi_step.extend_decodes(
+        out, self.page_pool, num_decode_steps=self.config.num_decode_steps,
+        max_model_len=self.max_model_len,
+        nothing_else_waits=self._budget > 0 and not self.waiting and not self.swapped)
     for seq in out.scheduled:  # Committed: the next schedule() may come before update().
       seq.request.num_computed_tokens = seq.start_position + len(seq.token_ids) + (
           seq.num_steps - 1)
@@ -244,6 +249,22 @@ class Scheduler:
   def has_unfinished(self) -> bool:
     return bool(self.requests)
 
+  def eta(self, request_id: str) -> float | None:
+    """Seconds until a live request should be scheduled (0 once it runs; None for an id
+    that is not live), from the same estimator as the retry hints. A deadline check
+    belongs here: compare a request's deadline with its ETA."""
+    request = self.requests.get(request_id)
+    if request is None:
+      return None
+    if request.status is _RUNNING:
+      return 0.0
+    return self.admission.eta(request, self.waiting, self.clock(), self.running,
+                              self._forecast_key())
+
+  def _forecast_key(self) -> tuple[int, int, int]:
+    """Changes whenever the running set may have: the wait forecast's cache key."""
+    return self._step, self._num_finished, sum(self._preemptions.values())
+
   def stats(self) -> dict[str, Any]:
     """Counters and gauges for the metrics module: usage, queues, preemptions, rejections."""
     pool = self.page_pool
@@ -306,6 +327,7 @@ class Scheduler:
       if num_new == 0 or not pool.can_allocate(num_new):
         return  # Head-of-line blocking keeps FCFS order fair.
       self.waiting.popleft()
+      self.admission.wait.record_departure(self.clock())
       self.admission.remove_backlog(request)
       request.page_ids = pool.allocate(request.request_id, num_new)
       request.status = _RUNNING
@@ -333,39 +355,6 @@ class Scheduler:
         return False
     pool.grow_to(request.request_id, num_tokens)
     return True
-
-  def _extend_decodes(self, out: SchedulerOutput) -> None:
-    """Multi-step decoding: turns an all-decode step into `num_decode_steps` iterations.
-
-    Only when nothing else could use the launch: every scheduled sequence is a
-    decode, the token budget left room (so no running request was left out), no
-    request waits or sits swapped (a joining prefill would wait the whole launch), and
-    the step preempted and copied nothing. Each sequence runs as many
-    iterations as it still may generate (at most `num_decode_steps`), and its pages
-    for all of them are reserved now; if they do not all fit in the free pages, the
-    step stays a single iteration rather than preempt anyone for lookahead.
-    """
-    steps = self.config.num_decode_steps
-    if (steps == 1 or not out.scheduled or self._budget <= 0 or self.waiting or self.swapped
-        or out.preempted or out.swap_in or out.swap_out
-        or any(seq.is_prefill or not seq.samples for seq in out.scheduled)):
-      return
-    pool = self.page_pool
-    plans = []
-    for seq in out.scheduled:
-      request = seq.request
-      num_steps = min(steps, request.sampling.max_tokens - request.num_sampled,
-                      self.max_model_len - seq.start_position)
-      plans.append((seq, num_steps, pool.num_missing_pages(request.request_id,
-                                                         seq.start_position + num_steps)))
-    if sum(missing for _, _, missing in plans) > pool.num_free_pages:
-      return
-    for seq, num_steps, missing in plans:
-      if missing:
-        pool.grow_to(seq.request_id, seq.start_position + num_steps)
-        seq.page_ids = list(seq.request.page_ids)
-      seq.num_steps = num_steps
-    out.num_steps = steps
 
   def _add(self, request: Request, num_new: int) -> None:
     self._scheduled[request.request_id] = make_sequence(request, num_new)
@@ -421,6 +410,7 @@ class Scheduler:
       self.swapped.remove(request)
     elif request.status is RequestStatus.WAITING and request in self.waiting:
       self.waiting.remove(request)
+      self.admission.wait.record_departure(now)
     self.admission.remove_backlog(request)
     num_freed = self.page_pool.free(request.request_id)
     request.page_ids, request.host_page_ids = [], []

@@ -14,7 +14,7 @@ MAX_DECODE_STEPS = 256  # a launch returns [num_decode_steps, rows] samples
 
 _POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
                   "fixed_output_estimate", "output_estimate_window", "num_decode_steps")
-_NON_NEGATIVE_INTS = ("chunk_size", "num_host_pages")
+_NON_NEGATIVE_INTS = ("chunk_size", "num_host_pages", "retry_jitter_seed")
 _POSITIVE_FLOATS = ("retry_after_window_s", "default_retry_after_s", "max_retry_after_s")
 
 
@@ -33,6 +33,9 @@ def check(config: ml_collections.ConfigDict, max_model_len: int) -> None:
   for key in _POSITIVE_FLOATS:
     if not config[key] > 0:
       raise ValueError(f"scheduler.{key} must be > 0, got {config[key]!r}")
+  if not 0 <= config.retry_jitter <= 1:
+    raise ValueError(f"scheduler.retry_jitter must be a fraction in [0, 1], got "
+                     f"{config.retry_jitter!r}")
   if config.num_decode_steps > MAX_DECODE_STEPS:
     raise ValueError(f"scheduler.num_decode_steps must be at most {MAX_DECODE_STEPS}, got "
                      f"{config.num_decode_steps}")
