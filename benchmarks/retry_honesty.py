@@ -1,0 +1,199 @@
+r"""Is the retry hint honest? The 13B simulation under overload, clients that obey it.
+
+  python -m benchmarks.retry_honesty --out=retry_honesty.json
+
+Finds the highest arrival rate that the simulated server takes without a rejection
+(1x), then replays the workload at multiples of it with clients that retry exactly
+when told: a rejected request is submitted again, same tokens and a new id, at the
+moment of its answer plus its `retry_after`, until it is admitted (or after
+`--max_attempts`). For every rejection it also probes, at every later step boundary,
+whether the same request would be admitted then (`AdmissionControl.admissible`, no side
+effects, before the arrivals of the next window compete): the first boundary where it
+would be is the time after which a retry would actually have been admitted.
+
+Reports per load: the arrival rate, rejections, the share of rejected requests admitted
+on their first honoured retry, and the median ratio of the hint to that actual time.
+Prints a table and writes JSON with the premises.
+"""
+
+import dataclasses
+import json
+import statistics
+
+from absl import flags
+from ml_collections import config_flags
+
+from configs import hardware as hardware_lib
+from experiments import build, cli
+from kvpage.host.admission import Admission
+from kvpage.host.request import Request, SamplingParams
+from kvpage.sim import premises, replay, workload
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/llama_13b.py", "Model config.")
+_HARDWARE = flags.DEFINE_string("hardware", "a100_80gb", "Simulated device.")
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 300, "Requests in each workload.")
+_PROMPT_LEN = flags.DEFINE_string("prompt_len", "lognormal:512:3500", "Prompt lengths.")
+_OUTPUT_LEN = flags.DEFINE_string("output_len", "uniform:64:512", "Output lengths.")
+_LOADS = flags.DEFINE_list("loads", ["1", "3", "10"], "Multiples of the sustained rate.")
+_BASE_RATE = flags.DEFINE_float("base_rate", 0.0, "The 1x rate (req/s); 0 = find it.")
+_CANDIDATES = flags.DEFINE_list("candidate_rates", ["1", "1.5", "2", "2.5", "3", "3.5", "4"],
+                                "Rates tried, in order, when finding the 1x rate.")
+_MAX_ATTEMPTS = flags.DEFINE_integer("max_attempts", 100, "A client gives up after these.")
+_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_OUT = flags.DEFINE_string("out", "retry_honesty.json", "Where to write the JSON record.")
+
+
+@dataclasses.dataclass
+class Rejection:
+  """One rejected attempt: when (trace clock), the hint, and what happened after."""
+
+  root: str
+  attempt: int
+  time: float
+  status: int
+  hint: float
+  actual: float | None = None  # first time after which a retry would have been admitted
+  retry_admitted: bool | None = None  # the honoured retry's answer
+
+
+def setup(config, hardware):
+  return build.serving_engine(config, executor="sim", hardware=hardware)
+
+
+def trace_at(config, rate: float) -> list[workload.TraceRequest]:
+  return workload.synthesize(num_requests=_NUM_REQUESTS.value, arrival_rate=rate,
+                             prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
+                             vocab_size=config.model.vocab_size, seed=_SEED.value)
+
+
+def sampling(item: workload.TraceRequest) -> SamplingParams:
+  return SamplingParams(max_tokens=item.output_len, ignore_eos=True)
+
+
+def rejections_without_retry(config, hardware, rate: float) -> int:
+  engine = setup(config, hardware).engine
+  replay.replay(engine, trace_at(config, rate), make_sampling=sampling)
+  return engine.scheduler.stats()["num_rejections"]
+
+
+def find_base_rate(config, hardware) -> tuple[float, dict[str, int]]:
+  """The highest candidate rate with no rejection (each tried once, in order)."""
+  tried, base = {}, 0.0
+  for rate in map(float, _CANDIDATES.value):
+    tried[str(rate)] = rejections_without_retry(config, hardware, rate)
+    if tried[str(rate)]:
+      break
+    base = rate
+  if not base:
+    raise ValueError(f"every candidate rate was rejected at: {tried}")
+  return base, tried
+
+
+def run_load(config, hardware, rate: float) -> dict:
+  """Replays the workload at `rate` with obedient retrying clients; the figures."""
+  engine = setup(config, hardware).engine
+  scheduler = engine.scheduler
+  start = scheduler.clock()
+  rejections: list[Rejection] = []
+  open_probes: list[tuple[Rejection, Request]] = []
+  last: dict[str, Rejection] = {}  # each root's latest rejection, until its next answer
+  attempts: dict[str, int] = {}
+
+  def on_submit(request: Request) -> None:
+    root = request.request_id.split("#")[0]
+    attempts[root] = attempts.get(root, 0) + 1
+    if root in last:  # the answer to an honoured retry
+      last.pop(root).retry_admitted = request.status is not request.status.REJECTED
+
+  def on_reject(item: workload.TraceRequest, answer: Admission,
+                now: float) -> workload.TraceRequest | None:
+    root = item.request_id.split("#")[0]
+    rejection = Rejection(root, attempts[root], now, answer.status, answer.retry_after or 0.0)
+    rejections.append(rejection)
+    probe = Request(item.request_id, list(item.prompt_ids), sampling(item))
+    open_probes.append((rejection, probe))
+    if attempts[root] >= _MAX_ATTEMPTS.value or answer.retry_after is None:
+      return None
+    last[root] = rejection
+    return dataclasses.replace(item, request_id=f"{root}#{attempts[root]}",
+                               arrival_time=now + answer.retry_after)
+
+  def on_step() -> None:
+    now = scheduler.clock() - start
+    still = []
+    for rejection, probe in open_probes:
+      if scheduler.admission.admissible(probe, scheduler.num_waiting):
+        rejection.actual = now - rejection.time
+      else:
+        still.append((rejection, probe))
+    open_probes[:] = still
+
+  trace = trace_at(config, rate)
+  replay.replay(engine, trace, make_sampling=sampling, on_submit=on_submit, on_step=on_step,
+                on_reject=on_reject)
+  return summarize(rate, trace, rejections, attempts, scheduler.clock() - start,
+                   config.scheduler.max_retry_after_s)
+
+
+def summarize(rate: float, trace: list, rejections: list[Rejection], attempts: dict[str, int],
+              duration: float, max_hint: float) -> dict:
+  first = [r for r in rejections if r.attempt == 1 and r.retry_admitted is not None]
+  retried = [r for r in rejections if r.retry_admitted is not None]
+  ratios = [r.hint / r.actual for r in rejections if r.actual]
+  early = [r for r in rejections if r.actual is not None and r.hint < r.actual]
+  statuses: dict[str, int] = {}
+  for r in rejections:
+    statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+  share = (lambda rows: sum(r.retry_admitted for r in rows) / len(rows) if rows else None)
+  return dict(
+      arrival_rate=rate, num_requests=len(trace), num_rejections=len(rejections),
+      rejections=statuses, requests_rejected=len({r.root for r in rejections}),
+      first_retry_admitted=share(first), any_retry_admitted=share(retried),
+      median_hint_over_actual=statistics.median(ratios) if ratios else None,
+      p10_p90_hint_over_actual=(statistics.quantiles(ratios, n=10)[0::8]
+                                if len(ratios) >= 2 else None),
+      hints_earlier_than_actual=len(early) / len(ratios) if ratios else None,
+      median_hint_s=statistics.median([r.hint for r in rejections]) if rejections else None,
+      median_actual_s=statistics.median([r.actual for r in rejections if r.actual is not None])
+      if ratios else None,
+      hints_at_cap=sum(r.hint >= max_hint for r in rejections),
+      max_attempts=max(attempts.values()), duration_s=duration)
+
+
+def _fmt(value, spec: str) -> str:
+  return "n/a" if value is None else format(value, spec)
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  config = cli.load_config(_CONFIG)
+  hardware = hardware_lib.get_hardware(_HARDWARE.value)
+  base, tried = ((_BASE_RATE.value, {}) if _BASE_RATE.value
+                 else find_base_rate(config, hardware))
+  rows = {}
+  for load in _LOADS.value:
+    rows[load] = run_load(config, hardware, base * float(load))
+  print(f"retry honesty: {config.model.name} on {hardware.name}, {_NUM_REQUESTS.value} requests, "
+        f"prompt {_PROMPT_LEN.value}, output {_OUTPUT_LEN.value}; 1x = {base} req/s "
+        f"(no rejection without retries; tried {tried})")
+  print(f"{'load':>5} {'req/s':>6} {'rejections':>10} {'requests':>8} {'1st retry ok':>12} "
+        f"{'hint/actual p50':>15} {'p10..p90':>14} {'early':>6} {'at cap':>6}")
+  for load, row in rows.items():
+    spread = row["p10_p90_hint_over_actual"]
+    print(f"{load + 'x':>5} {row['arrival_rate']:6.2f} {row['num_rejections']:10d} "
+          f"{row['requests_rejected']:8d} {_fmt(row['first_retry_admitted'], '12.0%')} "
+          f"{_fmt(row['median_hint_over_actual'], '15.2f')} "
+          f"{'n/a' if spread is None else f'{spread[0]:.2f}..{spread[1]:.2f}':>14} "
+          f"{_fmt(row['hints_earlier_than_actual'], '6.0%')} {row['hints_at_cap']:6d}")
+  record = dict(
+      config=config.model.name, hardware=hardware.name, num_requests=_NUM_REQUESTS.value,
+      prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value, seed=_SEED.value,
+      base_rate=base, base_rate_search=tried, policies=config.scheduler.to_dict(),
+      max_attempts=_MAX_ATTEMPTS.value, loads=rows, **premises.environment())
+  with open(_OUT.value, "w") as f:
+    json.dump(record, f, indent=2)
+  print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  cli.run(main)
