@@ -16,15 +16,14 @@ import dataclasses
 import json
 
 from absl import flags
-from ml_collections import config_flags
 
 from configs import hardware as hardware_lib
 from experiments import cli
 from kvpage import units
 from kvpage.sim import capacity
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/llama_13b.py", "Model config file (`path.py` or `path.py:variant`).")
+_CONFIG = cli.define_config("configs/llama_13b.py",
+                            "Model config file (`path.py` or `path.py:variant`).")
 _HARDWARE = flags.DEFINE_string(
     "hardware", None, f"Device; one of {sorted(hardware_lib.HARDWARE)}. Default: the config's.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per fully-grown request.")
