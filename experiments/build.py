@@ -26,6 +26,9 @@ from kvpage.sim.hardware import HardwareSpec
 from models import hf, llama
 
 
+MAX_PAGES = 2**24  # pages in one pool: 268M tokens at 16 per page
+
+
 def _gib(num_bytes: float) -> str:
   return f"{num_bytes:,.0f} bytes ({num_bytes / 2**30:,.2f} GiB)"
 
@@ -146,6 +149,10 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
                    checkpoint: str | None = None, num_pages: int = 0) -> ServingSetup:
   """The engine `serve_bench` runs: real (`jax`, random weights or a checkpoint) or `sim`."""
   page_size, host_pages = config.cache.page_size, config.scheduler.num_host_pages
+  for name, value in (("num_pages", num_pages), ("num_host_pages", host_pages)):
+    # The host's page pool keeps a few words per page, on either executor.
+    if not 0 <= value <= MAX_PAGES:
+      raise ValueError(f"--{name} must be in [0, {MAX_PAGES:,}], got {value:,}")
   if executor == "sim":
     num_pages = num_pages or sim_pool_pages(config.model, hardware, page_size=page_size,
                                             kv_dtype=config.cache.kv_dtype)

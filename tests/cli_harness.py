@@ -52,27 +52,37 @@ class Worker:
   """A worker process for one entry point; `run(argv)` -> (exit status, stderr)."""
 
   def __init__(self, entry: str, time_limit_s: int = 60, cache_dir: str | None = None):
-    env = dict(os.environ)
+    self.env = dict(os.environ)
     if cache_dir:  # runs that compile the same programs load them instead
-      env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
-                 JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    self.process = subprocess.Popen(
-        [sys.executable, str(pathlib.Path(__file__)), entry, str(time_limit_s)], cwd=ROOT,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+      self.env.update(JAX_COMPILATION_CACHE_DIR=cache_dir,
+                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    self.command = [sys.executable, str(pathlib.Path(__file__)), entry, str(time_limit_s)]
+    self._start()
+
+  def _start(self) -> None:
+    self.process = subprocess.Popen(self.command, cwd=ROOT, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True, env=self.env)
 
   def run(self, argv: list[str]) -> tuple[int, str]:
     assert self.process.stdin and self.process.stdout
-    self.process.stdin.write(json.dumps(argv) + "\n")
-    self.process.stdin.flush()
-    answer = self.process.stdout.readline()
-    assert answer, f"the worker died running {argv}"
+    try:
+      self.process.stdin.write(json.dumps(argv) + "\n")
+      self.process.stdin.flush()
+      answer = self.process.stdout.readline()
+    except BrokenPipeError:
+      answer = ""
+    if not answer:  # killed (by the kernel's OOM killer, say): a fresh one for the next
+      status = self.process.wait(timeout=60)
+      self._start()
+      raise AssertionError(f"the worker died (status {status}) running {argv}")
     result = json.loads(answer)
     assert not result["hang"], f"hang: {argv}"
     return result["rc"], result["stderr"]
 
   def close(self) -> None:
     if self.process.stdin:
-      self.process.stdin.close()
+      with contextlib.suppress(BrokenPipeError):
+        self.process.stdin.close()
     self.process.wait(timeout=60)
 
 
