@@ -25,7 +25,6 @@ from kvpage.sim.executor import Roofline, SimExecutor
 from kvpage.sim.hardware import HardwareSpec
 from models import hf, llama
 
-
 MAX_PAGES = 2**24  # pages in one pool: 268M tokens at 16 per page
 
 
