@@ -148,11 +148,12 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
                    checkpoint: str | None = None, num_pages: int = 0) -> ServingSetup:
   """The engine `serve_bench` runs: real (`jax`, random weights or a checkpoint) or `sim`."""
   page_size, host_pages = config.cache.page_size, config.scheduler.num_host_pages
-  for name, value in (("num_pages", num_pages), ("num_host_pages", host_pages)):
-    # The host's page pool keeps a few words per page, on either executor.
-    if not 0 <= value <= MAX_PAGES:
-      raise ValueError(f"--{name} must be in [0, {MAX_PAGES:,}], got {value:,}")
   if executor == "sim":
+    for name, value in (("num_pages", num_pages), ("num_host_pages", host_pages)):
+      # Simulated pages cost no memory but the host's page pool keeps a few words per
+      # page; a real pool is bounded by `check_memory` instead, which names the bytes.
+      if not 0 <= value <= MAX_PAGES:
+        raise ValueError(f"--{name} must be in [0, {MAX_PAGES:,}], got {value:,}")
     num_pages = num_pages or sim_pool_pages(config.model, hardware, page_size=page_size,
                                             kv_dtype=config.cache.kv_dtype)
     engine = sim_engine(config.model, hardware, config.scheduler, num_pages=num_pages,

@@ -64,8 +64,8 @@ def check_flags() -> None:
     raise ValueError(f"--temperature must be a finite number >= 0, got {_TEMPERATURE.value}")
   if not 0 < _TOP_P.value <= 1:
     raise ValueError(f"--top_p must be in (0, 1], got {_TOP_P.value}")
-  if _TOP_K.value < 0:
-    raise ValueError(f"--top_k must be >= 0, got {_TOP_K.value}")
+  if not 0 <= _TOP_K.value < 2**31:  # sampled on the device as an int32
+    raise ValueError(f"--top_k must be in [0, 2**31), got {_TOP_K.value}")
   if not 0 <= _SEED.value < 2**32 - 2**16:  # room for seed + i over the prompts
     raise ValueError(f"--seed must be in [0, 2**32 - 2**16), got {_SEED.value}")
 

@@ -30,22 +30,25 @@ def _serve(entry: str, time_limit_s: int) -> None:
 
   module = importlib.import_module(f"experiments.{entry}")
 
+  timed_out = [False]
+
   def alarm(*_):
+    timed_out[0] = True  # remembered: a callback that swallows the exception hides it
     raise Hang
 
   signal.signal(signal.SIGALRM, alarm)
   for line in sys.stdin:
     argv = json.loads(line)
-    err, hang = io.StringIO(), False
+    err, timed_out[0], rc = io.StringIO(), False, -1
     signal.alarm(time_limit_s)
     try:
       with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
         rc = cli.invoke(module.main, [entry, *argv])
     except Hang:
-      rc, hang = -1, True
+      pass
     finally:
       signal.alarm(0)
-    print(json.dumps(dict(rc=rc, stderr=err.getvalue(), hang=hang)), flush=True)
+    print(json.dumps(dict(rc=rc, stderr=err.getvalue(), hang=timed_out[0])), flush=True)
 
 
 class Worker:

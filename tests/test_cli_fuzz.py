@@ -45,9 +45,19 @@ CAPACITY_FLAGS = ["seq_len", "dtype", "kv_dtype", "page_size", "memory_gb", "wei
                   "config.model.dtype", "config.nope"]
 
 
+# Flags that size the work: a large valid value is a long run, not a hang, so these
+# draw only from the fixed list, whose valid values are small.
+SIZES = ("num_requests", "max_new_tokens", "output_len", "max_num_seqs",
+         "config.scheduler.max_num_seqs")
+
+
 def fuzzed(flag_names: list[str]) -> st.SearchStrategy[list[str]]:
   """One to three `--flag=value` arguments."""
-  one = st.tuples(st.sampled_from(flag_names), VALUES).map(lambda fv: f"--{fv[0]}={fv[1]}")
+  def value_for(name: str) -> st.SearchStrategy[str]:
+    return st.sampled_from(NUMBERS + SPECS) if name in SIZES else VALUES
+
+  one = st.sampled_from(flag_names).flatmap(
+      lambda name: value_for(name).map(lambda value: f"--{name}={value}"))
   return st.lists(one, min_size=1, max_size=3)
 
 

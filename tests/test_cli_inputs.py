@@ -66,6 +66,7 @@ def write_trace(path: pathlib.Path, *changes: dict) -> pathlib.Path:
     (["--config.cache.page_size=0"], "page_size must be an integer in [1"),
     (["--num_pages=1"], "--num_pages must be 0 (auto) or >= 2"),
     (["--num_host_pages=-1"], "--num_host_pages must be >= 0"),
+    (["--num_pages=62030830260350"], "--num_pages must be in [0, 16,777,216]"),
     (["--seed=-1"], "--seed must be in [0, 2**32)"),
     (["--eos_token_id=100000", "--noignore_eos"], "outside the vocabulary"),
     (["--prompt_len=16000000", "--num_requests=4"], "a trace holds at most"),
@@ -83,9 +84,9 @@ def test_serve_bench_rejects(serve_bench, tmp_path, flags, message):
     (dict(request_id={"a": 1}), "request_id must be a non-empty string"),
     (dict(prompt_ids=[True, 2]), "not booleans"),
     (dict(prompt_ids=5), "prompt_ids must be a list"),
-    (dict(arrival_time=1e300), "arrival_time must be a number of seconds in [0, 1e+08]"),
+    (dict(arrival_time=1e300), "arrival_time must be a finite number of seconds >= 0 and <= 1e+08"),
     (dict(arrival_time=True), "arrival_time must be"),
-    (dict(output_len=10**30), "output_len must be an integer in [1, 16,777,216]"),
+    (dict(output_len=10**30), "output_len must be an integer >= 1 and <= 16,777,216"),
     (dict(priority=2**40), "priority must be an integer"),
 ])
 def test_trace_lines_are_checked(serve_bench, tmp_path, change, message):

@@ -59,8 +59,8 @@ class TraceRequest:
     time = self.arrival_time
     if isinstance(time, bool) or not isinstance(time, (int, float)) or not (
         math.isfinite(time) and 0 <= time <= MAX_ARRIVAL_S):
-      raise ValueError(f"{name}: arrival_time must be a number of seconds in [0, "
-                       f"{MAX_ARRIVAL_S:g}], got {time!r}"[:300])
+      raise ValueError(f"{name}: arrival_time must be a finite number of seconds >= 0 and "
+                       f"<= {MAX_ARRIVAL_S:g}, got {time!r}"[:300])
     if not self.prompt_ids or not all(map(_is_int, self.prompt_ids)):
       raise ValueError(f"{name}: prompt_ids must be a non-empty list of integers "
                        "(not booleans)")
@@ -70,7 +70,7 @@ class TraceRequest:
                              ("priority", -MAX_PRIORITY, MAX_PRIORITY)):
       value = getattr(self, field)
       if not _is_int(value) or not low <= value <= high:
-        raise ValueError(f"{name}: {field} must be an integer in [{low:,}, {high:,}], "
+        raise ValueError(f"{name}: {field} must be an integer >= {low:,} and <= {high:,}, "
                          f"got {value!r}"[:300])
 
   @property
@@ -106,7 +106,7 @@ def parse_lengths(spec: str) -> Sampler:
   """A sampler of positive integer lengths from a spec string (see module docstring)."""
   kind = spec.split(":")[0]
   if kind.isdigit():
-    if ":" in spec:
+    if ":" in spec or int(kind) <= 0:
       raise ValueError(f"fixed length spec {spec!r} must be a single positive integer")
     (value,) = _lengths(spec, [int(kind)], ("n",))
     return lambda rng, n: np.full(n, value)
