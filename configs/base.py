@@ -45,3 +45,56 @@ def build(name: str, default_dtype: str, variant: str | None,
   config.seed = 0
   config.scheduler = scheduler.get_scheduler_config()
   return config
+
+
+# Dimensions index int32 arrays on the device, so none may exceed int32.
+_MAX_DIM = 2**31 - 1
+_MODEL_INTS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model", "ffn_dim",
+               "vocab_size", "max_seq_len")
+
+
+def _positive_int(where: str, value: object, low: int = 1) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= _MAX_DIM:
+    raise ValueError(f"{where} must be an integer in [{low}, {_MAX_DIM:,}], got {value!r}")
+
+
+def _positive_number(where: str, value: object) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      0 < value < float("inf")):
+    raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
+
+
+def check_model(model, where: str = "model") -> None:
+  """Raises `ValueError` naming the first field of a `model` section that cannot work.
+
+  An override such as `--config.model.max_seq_len=0` parses (it is an int) and
+  would otherwise surface much later as a shape error or an empty run.
+  """
+  for name in _MODEL_INTS:
+    _positive_int(f"{where}.{name}", model.get(name), 2 if name == "vocab_size" else 1)
+  if model.num_heads % model.num_kv_heads:
+    raise ValueError(f"{where}.num_kv_heads={model.num_kv_heads} must divide "
+                     f"num_heads={model.num_heads}")
+  for name in ("rope_theta", "norm_eps"):
+    _positive_number(f"{where}.{name}", model.get(name))
+  if model.get("dtype") not in DTYPES:
+    raise ValueError(f"{where}.dtype {model.get('dtype')!r}: choose one of {', '.join(DTYPES)}")
+  scaling = model.get("rope_scaling")
+  if scaling is not None and scaling.get("enabled"):
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+      _positive_number(f"{where}.rope_scaling.{name}", scaling.get(name))
+    if not scaling.low_freq_factor < scaling.high_freq_factor:
+      raise ValueError(f"{where}.rope_scaling needs low_freq_factor < high_freq_factor")
+    _positive_int(f"{where}.rope_scaling.original_max_seq_len",
+                  scaling.get("original_max_seq_len"))
+
+
+def check(config) -> None:
+  """`check_model` plus the `cache` section; the scheduler section has its own check."""
+  check_model(config.model)
+  cache = config.cache
+  _positive_int("cache.page_size", cache.get("page_size"))
+  _positive_int("cache.num_pages", cache.get("num_pages"), 0)
+  if cache.get("kv_dtype") not in DTYPES:
+    raise ValueError(f"cache.kv_dtype {cache.get('kv_dtype')!r}: choose one of "
+                     f"{', '.join(DTYPES)}")

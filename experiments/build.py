@@ -19,32 +19,95 @@ from kvpage.device import cache as paged_cache
 from kvpage.device.executor import JaxExecutor
 from kvpage.host.engine import Engine
 from kvpage.host.scheduler import Scheduler
-from kvpage.sim import capacity
+from kvpage.sim import capacity, premises
 from kvpage.sim.clock import VirtualClock, WallClock
 from kvpage.sim.executor import Roofline, SimExecutor
 from kvpage.sim.hardware import HardwareSpec
 from models import hf, llama
+
+MAX_PAGES = 2**24  # pages in one pool: 268M tokens at 16 per page
+
+
+def _gib(num_bytes: float) -> str:
+  return f"{num_bytes:,.0f} bytes ({num_bytes / 2**30:,.2f} GiB)"
+
+
+def device_memory() -> tuple[int | None, str]:
+  """Bytes the first device can still allocate, and what they are.
+
+  An accelerator reports its own limit; the CPU backend reports none, and its arrays
+  live in host memory, so the host's available memory stands in.
+  """
+  device = jax.devices()[0]
+  try:
+    stats = device.memory_stats() or {}
+  except Exception:  # backends without memory statistics raise errors of their own
+    stats = {}
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.platform} memory"
+  return premises.available_memory_bytes(), "host memory available"
+
+
+def check_memory(model_config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
+                 kv_dtype: str | None = None, num_host_pages: int = 0,
+                 weights_loaded: bool = False,
+                 hint: str = "lower --num_pages or --page_size") -> None:
+  """Raises a one-line `ValueError` if the weights and the KV pool cannot fit, up front.
+
+  Asking XLA for more than there is fails deep inside an allocation, or gets the
+  process killed; the sizes are known before anything is allocated, so say them.
+  `weights_loaded`: the weights already sit on the device (a loaded checkpoint).
+  """
+  kv = paged_cache.pool_bytes(model_config, num_pages=num_pages, page_size=page_size,
+                              dtype=kv_dtype)
+  weights = 0 if weights_loaded else capacity.weight_bytes(
+      capacity.ModelShape.from_config(model_config), model_config.dtype)
+  available, what = device_memory()
+  if available is not None and weights + kv > available:
+    raise ValueError(f"a KV pool of {num_pages:,} pages x {page_size:,} tokens needs "
+                     f"{_gib(kv)} and the weights {_gib(weights)}, but the {what} is "
+                     f"{_gib(available)}; {hint}")
+  host = kv // max(num_pages, 1) * num_host_pages
+  host_available = premises.available_memory_bytes()
+  if num_host_pages and host_available is not None and host > host_available:
+    raise ValueError(f"a host swap pool of {num_host_pages:,} pages needs {_gib(host)}, but "
+                     f"the host memory available is {_gib(host_available)}")
+
+
+def max_model_len(model_config: ml_collections.ConfigDict, *, num_pages: int,
+                  page_size: int) -> int:
+  """The longest sequence served: the model's context, capped by what the pool holds.
+
+  No sequence can outgrow the pool anyway, and the batch's page tables are as wide
+  as this length allows, so a checkpoint declaring a billion positions must not make
+  them a billion wide.
+  """
+  return min(model_config.max_seq_len, (num_pages - 1) * page_size)
 
 
 def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                  scheduler_config: ml_collections.ConfigDict, *, num_pages: int,
                  page_size: int, num_host_pages: int = 0, kv_dtype: str | None = None,
                  clock: Callable[[], float] | None = None,
-                 on_step: Callable[..., None] | None = None) -> Engine:
+                 on_step: Callable[..., None] | None = None,
+                 memory_hint: str = "lower --num_pages or --page_size") -> Engine:
   """An engine serving a Llama model through a paged cache of `num_pages` pages.
 
   `kv_dtype` (default: the model's) is the cache's storage precision.
   """
   model_config = ml_collections.FrozenConfigDict(model_config)
+  check_memory(model_config, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
+               num_host_pages=num_host_pages, weights_loaded=True, hint=memory_hint)
+  max_len = max_model_len(model_config, num_pages=num_pages, page_size=page_size)
   cache = paged_cache.init(model_config, num_pages=num_pages, page_size=page_size,
                            dtype=kv_dtype)
   forward = functools.partial(llama.forward, config=model_config)
-  buckets = batch_lib.Buckets.for_server(max_model_len=model_config.max_seq_len,
+  buckets = batch_lib.Buckets.for_server(max_model_len=max_len,
                                          page_size=page_size,
                                          max_num_seqs=scheduler_config.max_num_seqs)
   executor = JaxExecutor(forward, params, cache, num_host_pages=num_host_pages, buckets=buckets)
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
-                        max_model_len=model_config.max_seq_len,
+                        max_model_len=max_len,
                         num_host_pages=num_host_pages, clock=clock or WallClock(),
                         vocab_size=model_config.vocab_size)
   return Engine(scheduler, executor, on_step=on_step,
@@ -86,6 +149,11 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
   """The engine `serve_bench` runs: real (`jax`, random weights or a checkpoint) or `sim`."""
   page_size, host_pages = config.cache.page_size, config.scheduler.num_host_pages
   if executor == "sim":
+    for name, value in (("num_pages", num_pages), ("num_host_pages", host_pages)):
+      # Simulated pages cost no memory but the host's page pool keeps a few words per
+      # page; a real pool is bounded by `check_memory` instead, which names the bytes.
+      if not 0 <= value <= MAX_PAGES:
+        raise ValueError(f"--{name} must be in [0, {MAX_PAGES:,}], got {value:,}")
     num_pages = num_pages or sim_pool_pages(config.model, hardware, page_size=page_size,
                                             kv_dtype=config.cache.kv_dtype)
     engine = sim_engine(config.model, hardware, config.scheduler, num_pages=num_pages,
@@ -101,6 +169,8 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
     config.model = model_config
     config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
   else:
+    check_memory(config.model, num_pages=num_pages, page_size=page_size,
+                 kv_dtype=config.cache.kv_dtype, num_host_pages=host_pages)
     params = llama.random_init(config.model, config.seed)
   engine = llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
                         page_size=page_size, num_host_pages=host_pages,

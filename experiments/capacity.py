@@ -16,15 +16,15 @@ import dataclasses
 import json
 
 from absl import flags
-from ml_collections import config_flags
 
+from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import cli
 from kvpage import units
 from kvpage.sim import capacity
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/llama_13b.py", "Model config file (`path.py` or `path.py:variant`).")
+_CONFIG = cli.define_config("configs/llama_13b.py",
+                            "Model config file (`path.py` or `path.py:variant`).")
 _HARDWARE = flags.DEFINE_string(
     "hardware", None, f"Device; one of {sorted(hardware_lib.HARDWARE)}. Default: the config's.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 4096, "Tokens per fully-grown request.")
@@ -43,11 +43,14 @@ _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a tab
 UNIT_BYTES = {"gb": 10**9, "gib": 2**30}
 
 
-def _to_bytes(value: float | None, unit: str) -> int | None:
+MAX_SIZE = 10**9  # in --units: an exabyte-scale size is a typo, not a device
+
+
+def _to_bytes(value: float | None, unit: str, name: str = "size") -> int | None:
   if value is None:
     return None
-  if value < 0:
-    raise ValueError(f"sizes must be >= 0, got {value} {unit}")
+  if not 0 <= value <= MAX_SIZE:  # NaN fails too
+    raise ValueError(f"--{name} must be a number in [0, {MAX_SIZE:,}] {unit}, got {value}")
   return round(value * UNIT_BYTES[unit])
 
 
@@ -56,7 +59,7 @@ def build_plans(config, hardware: hardware_lib.HardwareSpec, *, seq_len: int, dt
                 weights_gb: float | None, reserve_gb: float) -> dict[str, capacity.CapacityPlan]:
   """The `nominal`, `exact` and (with overrides) `given` plans, keyed by name."""
   model = capacity.ModelShape.from_config(config.model)
-  reserve = _to_bytes(reserve_gb, unit)
+  reserve = _to_bytes(reserve_gb, unit, "reserve_gb")
   exact_weights = capacity.weight_bytes(model, dtype)
   common = dict(seq_len=seq_len, weight_dtype=dtype, kv_dtype=kv_dtype, page_size=page_size,
                 reserve_bytes=reserve)
@@ -69,8 +72,8 @@ def build_plans(config, hardware: hardware_lib.HardwareSpec, *, seq_len: int, dt
   if memory_gb is not None or weights_gb is not None:
     plans["given"] = capacity.plan(
         model, memory_bytes=(hardware.memory_bytes if memory_gb is None
-                             else _to_bytes(memory_gb, unit)),
-        weight_bytes_override=_to_bytes(weights_gb, unit), **common)
+                             else _to_bytes(memory_gb, unit, "memory_gb")),
+        weight_bytes_override=_to_bytes(weights_gb, unit, "weights_gb"), **common)
   return plans
 
 
@@ -120,6 +123,7 @@ def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   config = cli.load_config(_CONFIG)
+  configs_check.check(config)
   if _UNITS.value not in UNIT_BYTES:
     raise ValueError(f"unknown --units {_UNITS.value!r}; choose one of: gb, gib")
   hardware = hardware_lib.get_hardware(_HARDWARE.value or config.hardware)

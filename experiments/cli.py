@@ -1,29 +1,70 @@
-"""What every kvpage entry point shares: one-line errors instead of tracebacks.
+"""What every kvpage entry point shares: one line per error, and whole workdirs or none.
 
 Bad input (an unknown flag value, a config file that does not load, a premise that
-does not hold) ends the program with `error: <what is wrong>` on stderr and exit
-status 1 — never a traceback. Entry points call `run(main)` instead of `app.run`.
+does not hold, a pool that does not fit in memory) ends the program with exactly one
+line, `error: <what is wrong>`, on stderr and exit status 2 — never a traceback. A
+defect of kvpage itself is not the user's fault and must not pass for it: it also
+ends in one line, naming itself an internal error and the file that holds the
+traceback, with exit status 1. Entry points call `run(main)` instead of `app.run`;
+tests call `invoke(main, argv)` to run one in-process.
+
+A run's output files are written under temporary names and renamed into place only
+when all of them are written (`write_files`), and `workdir` removes the directories
+it created if the run fails, so a failed run leaves nothing behind.
 """
 
+import contextlib
+import logging
+import os
 import pathlib
 import sys
 import tempfile
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
 
 from absl import app, flags
+
+USAGE_ERROR, INTERNAL_ERROR = 2, 1
+
+# jax logs at INFO each accelerator backend it probes and cannot find ("Unable to
+# initialize backend 'tpu'"); absl prints INFO, which would make a one-line error two.
+logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
+class UsageError(ValueError):
+  """Bad input, already phrased for the user: the message is the whole error line."""
 
 
 def _last_line(error: BaseException) -> str:
   lines = [line.strip() for line in str(error).splitlines() if line.strip()]
   last = lines[-1] if lines else type(error).__name__
-  return last.removeprefix("ValueError: ")
+  last = last.removeprefix("ValueError: ")
+  while len(last) > 1 and last[0] == last[-1] and last[0] in "\"'":  # KeyError's quoting
+    last = last[1:-1]
+  return last
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with every failure (config overrides included) as one line."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
-    sys.exit(f"error: {_last_line(error)}")
+    raise UsageError(_last_line(error)) from None
+  except (AttributeError, KeyError, TypeError, ValueError) as error:
+    # A `--config.a.b=...` override names a key the config lacks or a value of the
+    # wrong type; ml_collections reports it as a chain of these.
+    raise UsageError(_override_error(error, argv)) from None
+
+
+def _override_error(error: BaseException, argv: list[str]) -> str:
+  """One line for a `--config.KEY=VALUE` override that `config_flags` refused."""
+  override = next((a.split("=")[0] for a in argv if a.lstrip("-").startswith("config.")), None)
+  if override is None:
+    return f"bad flags: {_last_line(error)}"
+  if isinstance(error, (AttributeError, KeyError)):
+    key = _last_line(error)
+    return f"bad config override {override}: the config has no key {key!r}"
+  return f"bad config override {override}: {_last_line(error)}"
 
 
 def load_config(holder: flags.FlagHolder):
@@ -32,20 +73,70 @@ def load_config(holder: flags.FlagHolder):
     config = holder.value
     config.keys()  # A config that failed to load raises on first attribute access.
     return config
-  except (OSError, ValueError, AttributeError, KeyError) as error:
-    sys.exit(f"error: cannot load --{holder.name}: {_last_line(error)}")
+  except (OSError, ValueError, AttributeError, KeyError, TypeError, SyntaxError) as error:
+    raise UsageError(f"cannot load --{holder.name}: {_last_line(error)}") from None
 
 
-def prepare_workdir(path: str) -> pathlib.Path:
-  """Creates `path` and checks it is writable, so a run never ends unable to save."""
-  workdir = pathlib.Path(path)
+def _missing_parents(path: pathlib.Path) -> list[pathlib.Path]:
+  """`path` and those of its ancestors that do not exist yet, deepest first."""
+  missing = []
+  for directory in (path, *path.parents):
+    if directory.exists():
+      break
+    missing.append(directory)
+  return missing
+
+
+@contextlib.contextmanager
+def workdir(path: str) -> Iterator[pathlib.Path]:
+  """Creates `path`, checks it is writable, and removes what it created if the body fails.
+
+  Checked up front so that a run never ends unable to save its results; removed on
+  failure so that a rejected input leaves no empty directory behind.
+  """
+  directory = pathlib.Path(path)
+  created = _missing_parents(directory.absolute())
   try:
-    workdir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=workdir):
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
       pass
   except OSError as error:
-    raise ValueError(f"--workdir {path!r} is not a writable directory: {error}") from None
-  return workdir
+    _remove_empty(created)
+    raise UsageError(f"--workdir {path!r} is not a writable directory: {error}") from None
+  try:
+    yield directory
+  except BaseException:
+    _remove_empty(created)
+    raise
+
+
+def _remove_empty(directories: list[pathlib.Path]) -> None:
+  for directory in directories:  # deepest first; one that holds anything stays
+    with contextlib.suppress(OSError):
+      directory.rmdir()
+
+
+def write_files(directory: pathlib.Path, files: dict[str, str]) -> None:
+  """Writes every `name -> text` into `directory`, all or nothing.
+
+  Each file goes to a temporary name in the same directory first (so the final
+  rename stays on one file system and is atomic); only when all are written are they
+  renamed into place. If any write fails, the temporary files are removed.
+  """
+  staged: list[tuple[str, str]] = []
+  try:
+    for name, text in files.items():
+      handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+      staged.append((temporary, name))
+      with os.fdopen(handle, "w") as f:
+        f.write(text)
+  except BaseException:
+    for temporary, _ in staged:
+      with contextlib.suppress(OSError):
+        os.unlink(temporary)
+    raise
+  for temporary, name in staged:
+    os.replace(temporary, directory / name)
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -57,17 +148,83 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def run(main: Callable[[list[str]], None]) -> None:
-  """`app.run(main)`, with flag errors and `ValueError`s reported in one line."""
+def _report_internal(error: BaseException) -> str:
+  """Saves the traceback of an unexpected exception; returns the one line that names it."""
+  try:
+    handle, path = tempfile.mkstemp(prefix="kvpage-traceback-", suffix=".txt")
+    with os.fdopen(handle, "w") as f:
+      traceback.print_exception(error, file=f)
+    where = f"traceback in {path}"
+  except OSError:
+    where = "traceback could not be saved"
+  summary = _last_line(error)[:200]
+  return (f"error: internal error ({type(error).__name__}: {summary}); this is a kvpage "
+          f"defect, not bad input — {where}")
 
-  def guarded_main(argv: list[str]) -> None:
+
+def _guarded(main: Callable[[list[str]], None], argv: list[str]) -> int:
+  """Runs `main`; returns the exit status after printing at most one `error:` line."""
+  try:
     if len(argv) > 1:
-      sys.exit(f"error: unexpected arguments {argv[1:]}; all options are --flags")
-    try:
-      main(argv)
-    except ValueError as error:
-      sys.exit(f"error: {error}")
-    except OSError as error:  # a file that is missing or cannot be written
-      sys.exit(f"error: {error}")
+      raise UsageError(f"unexpected arguments {argv[1:]}; all options are --flags")
+    main(argv)
+    return 0
+  except (ValueError, OSError) as error:  # bad input, a missing or unwritable file
+    message = f"error: {error}"
+  except MemoryError as error:  # numpy's allocation failure says how much it wanted
+    message = f"error: out of memory: {_last_line(error) or 'an allocation failed'}"
+  except KeyboardInterrupt:
+    message = "error: interrupted"
+  except SystemExit:
+    raise
+  except Exception as error:  # a defect: reported as one, never passed off as bad input
+    print(_report_internal(error), file=sys.stderr, flush=True)
+    return INTERNAL_ERROR
+  print(" ".join(message.split()), file=sys.stderr, flush=True)
+  return USAGE_ERROR
 
-  app.run(guarded_main, flags_parser=_parse_flags)
+
+def invoke(main: Callable[[list[str]], None], argv: list[str]) -> int:
+  """Parses `argv` into the global flags afresh and runs `main`; returns the exit status.
+
+  The in-process twin of `run`, for tests: no `app.run`, no `sys.exit`.
+  `config_flags` reads its `--config.*` overrides from `sys.argv`, so it is set too;
+  pass `--config` explicitly, or the config parsed at import is reused.
+  """
+  sys.argv = list(argv)
+  flags.FLAGS.unparse_flags()
+  try:
+    remaining = _parse_flags(argv)
+  except UsageError as error:
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    return USAGE_ERROR
+  return _guarded(main, remaining)
+
+
+def define_config(default: str, help_string: str) -> flags.FlagHolder:
+  """`config_flags.DEFINE_config_file("config", ...)`, with a bad override as one line.
+
+  `config_flags` applies `--config.KEY=VALUE` overrides to the default config while
+  the flag is being defined (at import, when no `--config` is given), before
+  `run` can guard anything.
+  """
+  from ml_collections import config_flags  # Here: only entry points need it.
+
+  try:
+    return config_flags.DEFINE_config_file("config", default, help_string)
+  except (AttributeError, KeyError, TypeError, ValueError, flags.Error) as error:
+    print(f"error: {_override_error(error, sys.argv)}", file=sys.stderr, flush=True)
+    sys.exit(USAGE_ERROR)
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+  """`app.run(main)`, with every error reported in one line (see the module docstring)."""
+
+  def flags_parser(argv: list[str]) -> list[str]:
+    try:
+      return _parse_flags(argv)
+    except UsageError as error:
+      print(f"error: {error}", file=sys.stderr, flush=True)
+      sys.exit(USAGE_ERROR)
+
+  app.run(lambda argv: sys.exit(_guarded(main, argv)), flags_parser=flags_parser)

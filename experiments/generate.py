@@ -11,16 +11,18 @@ per prompt: `{"prompt_ids": [...], "output_ids": [...]}`.
 """
 
 import json
+import math
 
 from absl import flags
-from ml_collections import config_flags
 
+from configs import base as configs_check
 from experiments import build, cli
+from kvpage import units
 from kvpage.host.request import SamplingParams
 from models import hf, llama
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", "configs/tiny.py", "Config for random weights (ignored with --checkpoint).")
+_CONFIG = cli.define_config("configs/tiny.py",
+                            "Config for random weights (ignored with --checkpoint).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face Llama checkpoint dir.")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", "1,2,3;4,5", "Prompts: ids `,`, prompts `;`.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate per prompt.")
@@ -53,29 +55,51 @@ def parse_prompts(text: str, vocab_size: int) -> list[list[int]]:
   return prompts
 
 
+def check_flags() -> None:
+  """Rejects flag values that would run but mean nothing (a NaN temperature) or
+  could never run (a negative page size), before anything is built."""
+  if _MAX_NEW_TOKENS.value <= 0 or _PAGE_SIZE.value <= 0 or _CHUNK_SIZE.value < 0:
+    raise ValueError("--max_new_tokens and --page_size must be > 0, --chunk_size >= 0")
+  if not 0 <= _TEMPERATURE.value < math.inf:  # NaN fails every comparison
+    raise ValueError(f"--temperature must be a finite number >= 0, got {_TEMPERATURE.value}")
+  if not 0 < _TOP_P.value <= 1:
+    raise ValueError(f"--top_p must be in (0, 1], got {_TOP_P.value}")
+  if not 0 <= _TOP_K.value < 2**31:  # sampled on the device as an int32
+    raise ValueError(f"--top_k must be in [0, 2**31), got {_TOP_K.value}")
+  if not 0 <= _SEED.value < 2**32 - 2**16:  # room for seed + i over the prompts
+    raise ValueError(f"--seed must be in [0, 2**32 - 2**16), got {_SEED.value}")
+
+
 def main(argv: list[str]) -> None:
   del argv  # Unused.
+  check_flags()
   config = cli.load_config(_CONFIG)
+  configs_check.check(config)
   if _CHECKPOINT.value:
     model_config, params = hf.load(_CHECKPOINT.value)
   else:
     model_config = config.model
-    params = llama.random_init(model_config, config.seed)
   if _ATTENTION.value:
     model_config.attention_impl = _ATTENTION.value
-  if _MAX_NEW_TOKENS.value <= 0 or _PAGE_SIZE.value <= 0 or _CHUNK_SIZE.value < 0:
-    raise ValueError("--max_new_tokens and --page_size must be > 0, --chunk_size >= 0")
   prompts = parse_prompts(_PROMPT_IDS.value, model_config.vocab_size)
+  page_size = _PAGE_SIZE.value
+  # Pages for each prompt's whole run; one longer than the context would be rejected
+  # at admission anyway, so it needs no more than the context's worth.
+  num_pages = 1 + sum(units.cdiv(min(len(p) + _MAX_NEW_TOKENS.value, model_config.max_seq_len),
+                                 page_size) for p in prompts)
+  hint = "fewer or shorter prompts, or a smaller --page_size"
+  if not _CHECKPOINT.value:
+    build.check_memory(model_config, num_pages=num_pages, page_size=page_size, hint=hint)
+    params = llama.random_init(model_config, config.seed)
   scheduler_config = config.scheduler
   scheduler_config.prefill_policy = "chunked" if _CHUNK_SIZE.value else "none"
   scheduler_config.chunk_size = _CHUNK_SIZE.value
-  scheduler_config.max_num_batched_tokens = max(scheduler_config.max_num_batched_tokens,
-                                                model_config.max_seq_len)
+  scheduler_config.max_num_batched_tokens = max(
+      scheduler_config.max_num_batched_tokens,
+      build.max_model_len(model_config, num_pages=num_pages, page_size=page_size))
   scheduler_config.watermark = 0.0  # an offline batch: every prompt is meant to run
-  page_size = _PAGE_SIZE.value
-  num_pages = 1 + sum(-(-(len(p) + _MAX_NEW_TOKENS.value) // page_size) for p in prompts)
   engine = build.llama_engine(model_config, params, scheduler_config, num_pages=num_pages,
-                              page_size=page_size)
+                              page_size=page_size, memory_hint=hint)
   requests = []
   for i, prompt in enumerate(prompts):
     sampling = SamplingParams(max_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,

@@ -17,14 +17,14 @@ import math
 
 import ml_collections
 from absl import flags
-from ml_collections import config_flags
 
+from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import build, cli, progress
 from kvpage.host.request import SamplingParams
 from kvpage.sim import metrics, premises, replay, workload
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config file.")
+_CONFIG = cli.define_config("configs/tiny.py", "Model config file.")
 _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"], "Real model or simulated GPU.")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 96, "Requests in the workload.")
@@ -71,7 +71,23 @@ def apply_overrides(config: ml_collections.ConfigDict) -> None:
       raise ValueError(f"--page_size must be a positive number of tokens, got {_PAGE_SIZE.value}")
     config.cache.page_size = _PAGE_SIZE.value
   if _NUM_HOST_PAGES.value is not None:
+    if _NUM_HOST_PAGES.value < 0:
+      raise ValueError(f"--num_host_pages must be >= 0, got {_NUM_HOST_PAGES.value}")
     config.scheduler.num_host_pages = _NUM_HOST_PAGES.value
+
+
+def check_flags() -> None:
+  """Rejects flag values no run could use, before anything is built."""
+  if _NUM_PAGES.value < 0 or _NUM_PAGES.value == 1:
+    raise ValueError(f"--num_pages must be 0 (auto) or >= 2 (page 0 is the null page), "
+                     f"got {_NUM_PAGES.value}")
+  if not 0 <= _SEED.value < 2**32:
+    raise ValueError(f"--seed must be in [0, 2**32), got {_SEED.value}")
+  if _CHECKPOINT.value and _EXECUTOR.value == "sim":
+    raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
+  for name, value in (("slo_ttft", _SLO_TTFT.value), ("slo_tpot", _SLO_TPOT.value)):
+    if value is not None and not value > 0:
+      raise ValueError(f"--{name} must be > 0 seconds, got {value}")
 
 
 def load_trace(config: ml_collections.ConfigDict) -> list[workload.TraceRequest]:
@@ -89,19 +105,30 @@ def load_trace(config: ml_collections.ConfigDict) -> list[workload.TraceRequest]
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
+  check_flags()
   config = cli.load_config(_CONFIG)
   apply_overrides(config)
-  cli.enable_compilation_cache(_COMPILATION_CACHE.value)
-  if _CHECKPOINT.value and _EXECUTOR.value == "sim":
-    raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
+  configs_check.check(config)
   hardware = hardware_lib.get_hardware(_HARDWARE.value or config.hardware)
-  workdir = cli.prepare_workdir(_WORKDIR.value)  # fail now, not after the run
-  for name, value in (("slo_ttft", _SLO_TTFT.value), ("slo_tpot", _SLO_TPOT.value)):
-    if value is not None and not value > 0:
-      raise ValueError(f"--{name} must be > 0 seconds, got {value}")
-  setup = build.serving_engine(config, executor=_EXECUTOR.value, hardware=hardware,
-                               checkpoint=_CHECKPOINT.value, num_pages=_NUM_PAGES.value)
-  trace = load_trace(setup.config)
+  eos = _EOS_ID.value
+  if eos is not None and not 0 <= eos < config.model.vocab_size:
+    raise ValueError(f"--eos_token_id {eos} is outside the vocabulary "
+                     f"[0, {config.model.vocab_size})")
+  with cli.workdir(_WORKDIR.value) as workdir:  # fail now, not after the run
+    cli.enable_compilation_cache(_COMPILATION_CACHE.value)
+    setup = build.serving_engine(config, executor=_EXECUTOR.value, hardware=hardware,
+                                 checkpoint=_CHECKPOINT.value, num_pages=_NUM_PAGES.value)
+    trace = load_trace(setup.config)
+    summary, files = serve(setup, trace)
+    files["trace.jsonl"] = workload.to_jsonl(trace)
+    cli.write_files(workdir, files)
+  print(format_summary(summary))
+  print(f"\nwrote {workdir}/summary.json, steps.jsonl, requests.jsonl, trace.jsonl")
+
+
+def serve(setup: build.ServingSetup,
+          trace: list[workload.TraceRequest]) -> tuple[dict, dict[str, str]]:
+  """Replays `trace` through the engine; returns the summary and the files to write."""
   stop_ids = () if _IGNORE_EOS.value or _EOS_ID.value is None else (_EOS_ID.value,)
 
   def make_sampling(item: workload.TraceRequest) -> SamplingParams:
@@ -127,7 +154,6 @@ def main(argv: list[str]) -> None:
   replay.replay(setup.engine, trace, make_sampling=make_sampling, on_submit=recorder.track,
                 on_step=show_progress)
   bar.close()
-  compiles_during_run = executor.num_compiles - compiles_before
   record = dict(
       executor=_EXECUTOR.value, model=setup.config.model.to_dict(),
       dtype=setup.config.model.dtype, hardware=setup.hardware_record,
@@ -138,12 +164,9 @@ def main(argv: list[str]) -> None:
                     priority=_PRIORITY.value, trace=_TRACE.value, ignore_eos=_IGNORE_EOS.value,
                     observed=workload.summarize(trace)),
       checkpoint=_CHECKPOINT.value, warmup=_WARMUP.value,
-      compiles_during_run=compiles_during_run, **premises.environment())
+      compiles_during_run=executor.num_compiles - compiles_before, **premises.environment())
   summary = recorder.summary(record, _SLO_TTFT.value, _SLO_TPOT.value)
-  recorder.write(workdir, summary)
-  workload.save_jsonl(trace, workdir / "trace.jsonl")
-  print(format_summary(summary))
-  print(f"\nwrote {workdir}/summary.json, steps.jsonl, requests.jsonl, trace.jsonl")
+  return summary, recorder.files(summary)
 
 
 def _ms(value: float | None) -> str:

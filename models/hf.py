@@ -25,6 +25,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 _CHECKPOINT_DTYPES = ("float32", "bfloat16", "float16")
 
 
+_INT_FIELDS = ("num_attention_heads", "num_hidden_layers", "num_key_value_heads", "head_dim",
+               "hidden_size", "intermediate_size", "vocab_size", "max_position_embeddings")
+
+
 class CheckpointError(ValueError):
   """A checkpoint that cannot be loaded as it is; the message says why."""
 
@@ -41,10 +45,34 @@ def _read_json(path: pathlib.Path) -> dict:
   return value
 
 
+def _architectures(hf: dict) -> list:
+  architectures = hf.get("architectures")
+  if architectures is None:
+    return [hf.get("model_type", "?")]
+  if isinstance(architectures, str):
+    raise CheckpointError(f'"architectures" must be a list of class names, got the string '
+                          f"{architectures!r} (write [{architectures!r}])")
+  if not isinstance(architectures, list):
+    raise CheckpointError(f'"architectures" must be a list of class names, got '
+                          f"{architectures!r}"[:200])
+  return architectures
+
+
+def _rope_scaling(hf: dict) -> dict:
+  """`rope_parameters` (transformers >= 5, theta inside) or `rope_scaling` (older)."""
+  keys = ("rope_parameters", "rope_scaling")
+  for key in keys:
+    value = hf.get(key)
+    if value is not None and not isinstance(value, dict):
+      raise CheckpointError(f'"{key}" must be an object such as {{"rope_type": "llama3", '
+                            f"...}}, got {value!r}"[:200])
+  return next((hf[key] for key in keys if hf.get(key)), {})
+
+
 def model_config_from_hf(hf: dict, dtype: str | None = None) -> ml_collections.ConfigDict:
   """kvpage's `model` config section from a Hugging Face `config.json` dict."""
-  architectures = hf.get("architectures") or [hf.get("model_type", "?")]
-  if not set(architectures) & set(SUPPORTED_ARCHITECTURES):
+  architectures = _architectures(hf)
+  if not {a for a in architectures if isinstance(a, str)} & set(SUPPORTED_ARCHITECTURES):
     raise CheckpointError(f"unsupported architecture {architectures}; kvpage loads "
                           f"{', '.join(SUPPORTED_ARCHITECTURES)}")
   for flag in ("attention_bias", "mlp_bias"):
@@ -55,18 +83,21 @@ def model_config_from_hf(hf: dict, dtype: str | None = None) -> ml_collections.C
   stored = hf.get("torch_dtype") or hf.get("dtype")
   config = base.model_config("tiny", dtype or (
       units.canonical_dtype(stored) if stored in _CHECKPOINT_DTYPES else "fp32"))
+  scaling = _rope_scaling(hf)
+  for key in _INT_FIELDS:  # before the typed config sees them, to name the HF field
+    value = hf.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+      raise CheckpointError(f'"{key}" must be an integer, got {value!r}'[:200])
   num_heads = hf["num_attention_heads"]
   config.update(dict(
-      name=hf.get("_name_or_path") or "hf-llama", num_layers=hf["num_hidden_layers"],
+      name=str(hf.get("_name_or_path") or "hf-llama"), num_layers=hf["num_hidden_layers"],
       num_heads=num_heads, num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+      head_dim=hf.get("head_dim") or _divide(hf["hidden_size"], num_heads),
       d_model=hf["hidden_size"], ffn_dim=hf["intermediate_size"], vocab_size=hf["vocab_size"],
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      rope_theta=float(hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get(
-          "rope_theta", 10000.0)), norm_eps=float(hf["rms_norm_eps"]),
+      rope_theta=float(hf.get("rope_theta") or scaling.get("rope_theta", 10000.0)),
+      norm_eps=float(hf["rms_norm_eps"]),
       max_seq_len=hf.get("max_position_embeddings", 2048), source="Hugging Face config.json"))
-  # transformers >= 5 writes `rope_parameters` (theta inside); older ones `rope_scaling`.
-  scaling = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   rope_type = scaling.get("rope_type", scaling.get("type"))
   if rope_type not in (None, "default", "llama3"):
     raise CheckpointError(f"unsupported rope_scaling type {rope_type!r}; kvpage supports "
@@ -76,7 +107,17 @@ def model_config_from_hf(hf: dict, dtype: str | None = None) -> ml_collections.C
         enabled=True, factor=scaling["factor"], low_freq_factor=scaling["low_freq_factor"],
         high_freq_factor=scaling["high_freq_factor"],
         original_max_seq_len=scaling["original_max_position_embeddings"]))
+  try:
+    base.check_model(config, where="config.json")
+  except ValueError as error:
+    raise CheckpointError(str(error)) from None
   return config
+
+
+def _divide(hidden_size: Any, num_heads: Any) -> Any:
+  if isinstance(hidden_size, int) and isinstance(num_heads, int) and num_heads > 0:
+    return hidden_size // num_heads
+  return None  # check_model names the field
 
 
 def _expected_tensors(c: ml_collections.ConfigDict) -> dict[str, tuple[tuple, tuple]]:
@@ -105,6 +146,10 @@ def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
   index = directory / "model.safetensors.index.json"
   if index.exists():
     weight_map = _read_json(index).get("weight_map", {})
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(shard, str) for shard in weight_map.values()):
+      raise CheckpointError(f'{index}: "weight_map" must map tensor names to shard file '
+                            "names")
     return {name: directory / shard for name, shard in weight_map.items()}
   single = directory / "model.safetensors"
   if not single.exists():
@@ -128,7 +173,9 @@ def load(checkpoint_dir: str | pathlib.Path,
     raise CheckpointError(f"checkpoint directory {directory} does not exist")
   try:
     config = model_config_from_hf(_read_json(directory / "config.json"), dtype)
-  except (KeyError, TypeError) as error:
+  except (KeyError, TypeError, ValueError, OverflowError) as error:
+    if isinstance(error, CheckpointError):
+      raise CheckpointError(f"{directory / 'config.json'}: {error}") from None
     raise CheckpointError(f"{directory / 'config.json'}: missing or malformed field "
                           f"{error}") from None
   target = paged_cache.jnp_dtype(config.dtype)

@@ -86,6 +86,15 @@ def _model_dims(model_config: Mapping[str, Any] | Any) -> tuple[int, int, int]:
   return shape.num_layers, shape.num_kv_heads, shape.head_dim
 
 
+def pool_bytes(model_config: Mapping[str, Any] | Any, *, num_pages: int, page_size: int,
+               dtype: Any = None) -> int:
+  """Bytes `init` would allocate for these pages (keys and values), allocating nothing;
+  so a caller can check a pool against the memory there is before asking for it."""
+  num_layers, num_kv_heads, head_dim = _model_dims(model_config)
+  itemsize = jnp_dtype(dtype or model_config["dtype"]).itemsize
+  return 2 * itemsize * num_layers * num_kv_heads * head_dim * page_size * num_pages
+
+
 def init(model_config: Mapping[str, Any] | Any, *, num_pages: int, page_size: int,
          dtype: Any = None) -> PagedKVCache:
   """A zeroed cache of `num_pages` pages (page 0, the null page, included).

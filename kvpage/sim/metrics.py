@@ -38,6 +38,35 @@ def _first_event(request: Request, kind: str) -> float | None:
   return next((event.time for event in request.events if event.kind == kind), None)
 
 
+MAX_FAILED_LISTED = 100
+
+
+def failed_requests(rows: Sequence[dict[str, Any]],
+                    limit: int = MAX_FAILED_LISTED) -> dict[str, Any]:
+  """The requests that did not finish normally: counts by reason, and the first `limit`.
+
+  A figure drawn only from the requests that finished says nothing of those that did
+  not; listing them (bounded, so a run of a million rejections stays readable) lets
+  a reader see what failed and why without opening `requests.jsonl`.
+  """
+  failed = []
+  for row in rows:
+    if row["status"] == RequestStatus.REJECTED.value:
+      reason = f"rejected {row['rejected_status']}"
+    elif row["status"] == RequestStatus.FINISHED.value and row["finish_reason"] in (
+        "length", "stop"):
+      continue
+    elif row["status"] == RequestStatus.FINISHED.value:
+      reason = str(row["finish_reason"])
+    else:  # still waiting, running or swapped when the run ended
+      reason = f"unfinished ({row['status']})"
+    failed.append(dict(request_id=row["request_id"], reason=reason,
+                       detail=row.get("reject_reason")))
+  return dict(num_failed=len(failed),
+              by_reason=dict(collections.Counter(item["reason"] for item in failed)),
+              first=failed[:limit])
+
+
 class MetricsRecorder:
   """Collects step rows and token timestamps while an engine runs."""
 
@@ -83,8 +112,7 @@ class MetricsRecorder:
       done = _first_event(request, "finished") if request.is_finished else None
       times = self.token_times.get(request.request_id, [])
       gaps = np.diff(times).tolist() if len(times) > 1 else []
-      rejected = next((e.detail.get("status") for e in request.events if e.kind == "rejected"),
-                      None)
+      rejection = next((e.detail for e in request.events if e.kind == "rejected"), {})
       tpot = ((done - first) / (request.num_output_tokens - 1)
               if done is not None and first is not None and request.num_output_tokens > 1
               else None)
@@ -92,7 +120,8 @@ class MetricsRecorder:
           request_id=request.request_id, priority=request.priority,
           prompt_tokens=request.num_prompt_tokens, output_tokens=request.num_output_tokens,
           status=request.status.value, finish_reason=request.finish_reason,
-          rejected_status=rejected, arrival=arrival - self.start_time,
+          rejected_status=rejection.get("status"), reject_reason=rejection.get("reason"),
+          arrival=arrival - self.start_time,
           queue_wait_s=None if scheduled is None else scheduled - arrival,
           ttft_s=None if first is None else first - arrival, tpot_s=tpot,
           e2e_s=None if done is None else done - arrival, itl_s=gaps,
@@ -131,14 +160,17 @@ class MetricsRecorder:
         slo=dict(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s),
         goodput_requests_per_s=len(good) / duration,
         goodput_fraction=len(good) / len(rows) if rows else 0.0,
-        premises=premises)
+        failed_requests=failed_requests(rows), premises=premises)
+
+  def files(self, summary: dict[str, Any]) -> dict[str, str]:
+    """`steps.jsonl`, `requests.jsonl` and `summary.json`, by name, as text."""
+    return {"steps.jsonl": "".join(json.dumps(row) + "\n" for row in self.steps),
+            "requests.jsonl": "".join(json.dumps(row) + "\n" for row in self.request_rows()),
+            "summary.json": json.dumps(summary, indent=2)}
 
   def write(self, workdir: str | pathlib.Path, summary: dict[str, Any]) -> None:
-    """`steps.jsonl`, `requests.jsonl` and `summary.json` under `workdir`."""
+    """`files(summary)` under `workdir`."""
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    with open(workdir / "steps.jsonl", "w") as f:
-      f.writelines(json.dumps(row) + "\n" for row in self.steps)
-    with open(workdir / "requests.jsonl", "w") as f:
-      f.writelines(json.dumps(row) + "\n" for row in self.request_rows())
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    for name, text in self.files(summary).items():
+      (workdir / name).write_text(text)

@@ -26,6 +26,22 @@ import numpy as np
 Sampler = Callable[[np.random.Generator, int], np.ndarray]
 
 
+# Bounds on what a workload may ask for. Beyond them a trace would not fit in memory
+# (every prompt token is a Python int), or time would lose its resolution (float
+# seconds near 1e8 still resolve 10 ns; near 1e300 a step adds nothing and virtual
+# time stands still), or priorities would overflow the int64 arrays they pass through.
+MAX_LENGTH = 2**24  # tokens in one prompt or output
+MAX_REQUESTS = 10**6
+MAX_TRACE_TOKENS = 2**25  # prompt tokens in one whole trace
+MAX_ARRIVAL_S = 1e8  # about three years
+MAX_PRIORITY = 2**31 - 1  # |priority|
+GAMMA_CV_RANGE = (0.01, 100.0)
+
+
+def _is_int(value: object) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclasses.dataclass(frozen=True)
 class TraceRequest:
   """One request of a workload: when it arrives, what it asks for."""
@@ -37,18 +53,25 @@ class TraceRequest:
   priority: int = 0
 
   def __post_init__(self):
-    if not isinstance(self.arrival_time, (int, float)) or not (
-        math.isfinite(self.arrival_time) and self.arrival_time >= 0):
-      raise ValueError(f"{self.request_id}: arrival_time must be a finite number of seconds "
-                       f">= 0, got {self.arrival_time!r}")
-    if not self.prompt_ids or not all(isinstance(t, int) for t in self.prompt_ids):
-      raise ValueError(f"{self.request_id}: prompt_ids must be a non-empty list of integers")
-    for name in ("output_len", "priority"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{self.request_id}: {name} must be an integer, got {value!r}")
-    if self.output_len < 1:
-      raise ValueError(f"{self.request_id}: output_len must be >= 1, got {self.output_len}")
+    if not isinstance(self.request_id, str) or not self.request_id:
+      raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}"[:200])
+    name = self.request_id[:80]
+    time = self.arrival_time
+    if isinstance(time, bool) or not isinstance(time, (int, float)) or not (
+        math.isfinite(time) and 0 <= time <= MAX_ARRIVAL_S):
+      raise ValueError(f"{name}: arrival_time must be a finite number of seconds >= 0 and "
+                       f"<= {MAX_ARRIVAL_S:g}, got {time!r}"[:300])
+    if not self.prompt_ids or not all(map(_is_int, self.prompt_ids)):
+      raise ValueError(f"{name}: prompt_ids must be a non-empty list of integers "
+                       "(not booleans)")
+    if len(self.prompt_ids) > MAX_LENGTH:
+      raise ValueError(f"{name}: {len(self.prompt_ids):,} prompt ids; at most {MAX_LENGTH:,}")
+    for field, low, high in (("output_len", 1, MAX_LENGTH),
+                             ("priority", -MAX_PRIORITY, MAX_PRIORITY)):
+      value = getattr(self, field)
+      if not _is_int(value) or not low <= value <= high:
+        raise ValueError(f"{name}: {field} must be an integer >= {low:,} and <= {high:,}, "
+                         f"got {value!r}"[:300])
 
   @property
   def prompt_len(self) -> int:
@@ -56,52 +79,78 @@ class TraceRequest:
 
 
 def _numbers(spec: str, fields: Sequence[str], what: str = "length") -> list[float]:
-  parts = spec.split(":")[1:]
+  """The spec's numbers after its kind, each finite; the message names the spec's form."""
+  kind, *parts = spec.split(":")
+  form = f"{kind}:{':'.join(f.upper() for f in fields)}"
   if len(parts) != len(fields):
-    raise ValueError(f"{what} spec {spec!r} needs {len(fields)} values: "
-                     f"{spec.split(':')[0]}:{':'.join(f.upper() for f in fields)}")
+    raise ValueError(f"{what} spec {spec!r} needs {len(fields)} values: {form}")
   try:
-    return [float(part) for part in parts]
+    values = [float(part) for part in parts]
   except ValueError:
-    raise ValueError(f"{what} spec {spec!r} has a non-numeric value") from None
+    raise ValueError(f"{what} spec {spec!r} has a non-numeric value; the form is {form}") from None
+  if not all(map(math.isfinite, values)):
+    raise ValueError(f"{what} spec {spec!r} has a value that is not a finite number")
+  return values
+
+
+def _lengths(spec: str, values: Sequence[float], fields: Sequence[str]) -> list[int]:
+  """Length values as whole numbers in [1, MAX_LENGTH]."""
+  for field, value in zip(fields, values):
+    if value != int(value) or not 1 <= value <= MAX_LENGTH:
+      raise ValueError(f"length spec {spec!r}: {field.upper()} must be a whole number of "
+                       f"tokens in [1, {MAX_LENGTH:,}], got {value:g}")
+  return [int(value) for value in values]
 
 
 def parse_lengths(spec: str) -> Sampler:
   """A sampler of positive integer lengths from a spec string (see module docstring)."""
   kind = spec.split(":")[0]
   if kind.isdigit():
-    value = int(kind)
-    if value <= 0 or ":" in spec:
+    if ":" in spec or int(kind) <= 0:
       raise ValueError(f"fixed length spec {spec!r} must be a single positive integer")
+    (value,) = _lengths(spec, [int(kind)], ("n",))
     return lambda rng, n: np.full(n, value)
   if kind == "uniform":
-    low, high = _numbers(spec, ("lo", "hi"))
-    if not 1 <= low <= high:
+    low, high = _lengths(spec, _numbers(spec, ("lo", "hi")), ("lo", "hi"))
+    if not low <= high:
       raise ValueError(f"uniform spec {spec!r} needs 1 <= LO <= HI")
-    return lambda rng, n: rng.integers(int(low), int(high) + 1, n)
+    return lambda rng, n: rng.integers(low, high + 1, n)
   if kind == "lognormal":
     median, cap = _numbers(spec, ("median", "max"))
+    (cap,) = _lengths(spec, [cap], ("max",))
     if not 1 <= median <= cap:
       raise ValueError(f"lognormal spec {spec!r} needs 1 <= MEDIAN <= MAX")
     return lambda rng, n: np.clip(np.round(rng.lognormal(math.log(median), 1.0, n)), 1, cap)
   if kind == "mix":
     fraction, long, short = _numbers(spec, ("fraction", "long", "short"))
-    if not (0 <= fraction <= 1 and long >= 1 and short >= 1):
-      raise ValueError(f"mix spec {spec!r} needs 0 <= FRACTION <= 1 and positive lengths")
-    return lambda rng, n: np.where(rng.random(n) < fraction, int(long), int(short))
+    if not 0 <= fraction <= 1:
+      raise ValueError(f"mix spec {spec!r} needs 0 <= FRACTION <= 1")
+    long, short = _lengths(spec, [long, short], ("long", "short"))
+    return lambda rng, n: np.where(rng.random(n) < fraction, long, short)
   raise ValueError(f"unknown length spec {spec!r}; use N, uniform:LO:HI, lognormal:MEDIAN:MAX "
                    "or mix:FRACTION:LONG:SHORT")
+
+
+def _priority(spec: str, value: float) -> int:
+  if value != int(value) or abs(value) > MAX_PRIORITY:
+    raise ValueError(f"priority spec {spec!r}: priorities are whole numbers in "
+                     f"[{-MAX_PRIORITY:,}, {MAX_PRIORITY:,}], got {value:g}")
+  return int(value)
 
 
 def parse_priorities(spec: str) -> Sampler:
   """`N` (everyone N) or `uniform:LO:HI` (integers, inclusive)."""
   if spec.lstrip("-").isdigit():
-    return lambda rng, n: np.full(n, int(spec))
+    value = int(spec)
+    if abs(value) > MAX_PRIORITY:
+      raise ValueError(f"priority {spec[:40]!r} is outside [{-MAX_PRIORITY:,}, "
+                       f"{MAX_PRIORITY:,}]")
+    return lambda rng, n: np.full(n, value)
   if spec.startswith("uniform:"):
-    low, high = _numbers(spec, ("lo", "hi"), "priority")
+    low, high = (_priority(spec, v) for v in _numbers(spec, ("lo", "hi"), "priority"))
     if low > high:
       raise ValueError(f"priority spec {spec!r} needs LO <= HI")
-    return lambda rng, n: rng.integers(int(low), int(high) + 1, n)
+    return lambda rng, n: rng.integers(low, high + 1, n)
   raise ValueError(f"unknown priority spec {spec!r}; use N or uniform:LO:HI")
 
 
@@ -109,43 +158,61 @@ def arrival_times(rng: np.random.Generator, num: int, rate: float, process: str)
   """Arrival times (s) of `num` requests at `rate` requests/s; `inf` = all at t = 0."""
   if not rate > 0:
     raise ValueError(f"arrival rate must be > 0 requests/s (or inf), got {rate}")
-  if math.isinf(rate):
-    return np.zeros(num)
   if process == "poisson":
-    gaps = rng.exponential(1.0 / rate, num)
+    draw = lambda: rng.exponential(1.0 / rate, num)
   elif process.startswith("gamma:"):
     cv = _numbers(process, ("cv",), "arrival process")[0]
-    if cv <= 0:
-      raise ValueError(f"gamma arrivals need CV > 0, got {process!r}")
+    low, high = GAMMA_CV_RANGE
+    if not low <= cv <= high:
+      raise ValueError(f"gamma arrivals need {low} <= CV <= {high}, got {process!r}")
     shape = 1.0 / cv**2  # mean = shape * scale = 1 / rate; CV = 1 / sqrt(shape)
-    gaps = rng.gamma(shape, 1.0 / (rate * shape), num)
+    draw = lambda: rng.gamma(shape, 1.0 / (rate * shape), num)
   else:
     raise ValueError(f"unknown arrival process {process!r}; use poisson or gamma:CV")
-  return np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
+  if math.isinf(rate):
+    return np.zeros(num)
+  gaps = draw()
+  times = np.cumsum(gaps) - gaps[0]  # the first request arrives at t = 0
+  if not times[-1] <= MAX_ARRIVAL_S:
+    raise ValueError(f"{num:,} requests at {rate:g} requests/s would arrive over "
+                     f"{times[-1]:.3g} s; a workload spans at most {MAX_ARRIVAL_S:g} s")
+  return times
 
 
 def synthesize(*, num_requests: int, arrival_rate: float, prompt_len: str, output_len: str,
                vocab_size: int, seed: int, arrival_process: str = "poisson",
                priority: str = "0") -> list[TraceRequest]:
   """A seeded workload; the same arguments always give the same trace."""
-  if num_requests <= 0:
-    raise ValueError(f"num_requests must be > 0, got {num_requests}")
+  if not 0 < num_requests <= MAX_REQUESTS:
+    raise ValueError(f"num_requests must be in [1, {MAX_REQUESTS:,}], got {num_requests:,}")
   if vocab_size < 2:
     raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+  if not 0 <= seed < 2**63:
+    raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+  # Every spec is parsed before anything is drawn, so a bad one is named whatever
+  # the order; the draws stay in the order that keeps traces reproducible.
+  samplers = (parse_lengths(prompt_len), parse_lengths(output_len), parse_priorities(priority))
   rng = np.random.default_rng(seed)
   times = arrival_times(rng, num_requests, arrival_rate, arrival_process)
-  prompts = parse_lengths(prompt_len)(rng, num_requests).astype(int)
-  outputs = parse_lengths(output_len)(rng, num_requests).astype(int)
-  priorities = parse_priorities(priority)(rng, num_requests).astype(int)
+  prompts, outputs, priorities = (sampler(rng, num_requests).astype(np.int64)
+                                  for sampler in samplers)
+  total = int(prompts.sum())
+  if total > MAX_TRACE_TOKENS:
+    raise ValueError(f"the workload's prompts hold {total:,} tokens; a trace holds at most "
+                     f"{MAX_TRACE_TOKENS:,} (fewer --num_requests or shorter --prompt_len)")
   return [TraceRequest(f"req-{i}", float(times[i]),
                        tuple(rng.integers(1, vocab_size, prompts[i]).tolist()),
                        int(outputs[i]), int(priorities[i])) for i in range(num_requests)]
 
 
+def to_jsonl(trace: Sequence[TraceRequest]) -> str:
+  """The trace as JSONL text, one request per line (what `load_jsonl` reads)."""
+  return "".join(json.dumps(dataclasses.asdict(request)) + "\n" for request in trace)
+
+
 def save_jsonl(trace: Sequence[TraceRequest], path: str | pathlib.Path) -> None:
   with open(path, "w") as f:
-    for request in trace:
-      f.write(json.dumps(dataclasses.asdict(request)) + "\n")
+    f.write(to_jsonl(trace))
 
 
 def load_jsonl(path: str | pathlib.Path) -> list[TraceRequest]:
@@ -157,10 +224,14 @@ def load_jsonl(path: str | pathlib.Path) -> list[TraceRequest]:
         continue
       try:
         fields = json.loads(line)
+        if not isinstance(fields, dict):
+          raise ValueError(f"a JSON {type(fields).__name__}, not an object")
+        if not isinstance(fields.get("prompt_ids"), list):
+          raise ValueError("prompt_ids must be a list of integers")
         fields["prompt_ids"] = tuple(fields["prompt_ids"])
         trace.append(TraceRequest(**fields))
-      except (json.JSONDecodeError, TypeError, KeyError, ValueError) as error:
-        raise ValueError(f"{path}:{number}: not a trace request ({error})") from None
+      except (TypeError, KeyError, ValueError, RecursionError) as error:
+        raise ValueError(f"{path}:{number}: not a trace request ({error})"[:400]) from None
   if not trace:
     raise ValueError(f"{path}: the trace is empty")
   ids = [request.request_id for request in trace]
