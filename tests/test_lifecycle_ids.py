@@ -48,3 +48,11 @@ def test_an_id_reused_after_an_abort_reports_both_ends(async_scheduling):
   assert [t for o in outputs[:cut] for t in o.new_token_ids] == old.output_ids
   assert [t for o in outputs[cut:] for t in o.new_token_ids] == new.output_ids
   assert len(new.output_ids) == 3 and old.finish_reason == "aborted"
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=float("nan")), dict(temperature=float("inf")),
+                                 dict(top_p=float("nan")), dict(top_k=2**31),
+                                 dict(temperature=-1.0)])
+def test_sampling_params_refuse_values_the_device_cannot_take(bad):
+  with pytest.raises(ValueError, match="need finite temperature"):
+    SamplingParams(max_tokens=4, **bad)

@@ -25,7 +25,10 @@ Pure Python: never imports jax.
 
 import dataclasses
 import enum
+import math
 from typing import Any
+
+_INT32_LIMIT = 2**31  # the device keeps top_k as int32
 
 # Stands for a token sampled by a step still in flight: its value is on the device only.
 PLACEHOLDER = -1
@@ -46,10 +49,12 @@ class SamplingParams:
   def __post_init__(self) -> None:
     if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
       raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-    if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+    # Written as `not (in range)` so that NaN, which compares false, is refused too.
+    if (not 0 <= self.temperature < math.inf or not 0 <= self.top_k < _INT32_LIMIT
+        or not 0 < self.top_p <= 1):
       raise ValueError(
-          f"need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got temperature="
-          f"{self.temperature}, top_k={self.top_k}, top_p={self.top_p}")
+          f"need finite temperature >= 0, 0 <= top_k < 2^31 and 0 < top_p <= 1; got "
+          f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}")
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
