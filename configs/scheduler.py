@@ -29,6 +29,12 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       # told the same moment spread out; 0 = exact hints.
       retry_jitter=0.0,
       retry_jitter_seed=0,
+      # Hold room for a 503'd request until it retries with the same id (or lapses
+      # retry_grace_s after its hint): newcomers see that room as taken, so a client
+      # that returns when told finds its pages. Changes who is admitted; off = the
+      # ledger of promises shapes hints only.
+      retry_reservations=False,
+      retry_grace_s=2.0,
       # Chunked prefill (Sarathi-Serve, OSDI'24): none = whole prompts, prefill-first;
       # chunked = decode-first, prefill chunks fill the rest of the token budget.
       prefill_policy="chunked",

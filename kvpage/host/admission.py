@@ -29,6 +29,10 @@ A rejection carries `retry_after`, raw seconds from the one wait estimator
 (`kvpage.host.wait_estimate`): for a 503 the pages short of the line (backlog
 included) and those promised to clients rejected before, over the recent page-free
 rate; for a 429 the queue places missing, over the queue's recent departure rate.
+With `retry_reservations` on, a 503 also reserves the request's pages under its id
+until it comes back: every request is then measured against the line after the
+reservations ranked ahead of it, so a promised client returning with its id is
+admitted ahead of newcomers (see `kvpage.host.wait_estimate`).
 
 Pure Python: never imports jax.
 """
@@ -128,24 +132,29 @@ class AdmissionControl:
       return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
                        f"({self.watermark_pages:.1f} of {pool.num_usable_pages} pages kept free) "
                        "even in an empty cache", None, rid)
-    left = self.pages_left(estimate)
+    reserved = self.wait.reserved_ahead(rid, now)
+    left = self.pages_left(estimate) - reserved
     if left < self.watermark_pages:
+      held = f" + {reserved} reserved for rejected requests ahead of it" if reserved else ""
       return Admission(
           SERVICE_UNAVAILABLE,
           f"cache pressure: {estimate} pages for this request + {self.num_backlog_pages} for "
-          f"admitted waiting requests would leave {left} of {pool.num_free_pages} free pages, "
-          f"under the watermark of {self.watermark_pages:.1f}",
-          self.wait.retry_after_pages(self.watermark_pages - left, estimate, now, running, key),
+          f"admitted waiting requests{held} would leave {left} of {pool.num_free_pages} free "
+          f"pages, under the watermark of {self.watermark_pages:.1f}",
+          self.wait.retry_after_pages(self.watermark_pages - left, estimate, now, running, key,
+                                      rid),
           rid)
     if num_waiting >= self.config.max_waiting:
       return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of "
                        f"{self.config.max_waiting})",
                        self.wait.retry_after_slots(num_waiting - self.config.max_waiting + 1,
-                                                   now), rid)
+                                                   now, rid), rid)
+    self.wait.release(rid)
     return Admission(OK, "admitted", None, rid)
 
   def pages_left(self, estimate: int) -> int:
-    """Free pages left after the admitted backlog and a request of `estimate` pages."""
+    """Free pages left after the admitted backlog and a request of `estimate` pages
+    (before any reservation: see `WaitEstimator.reserved_ahead`)."""
     return self.page_pool.num_free_pages - self.num_backlog_pages - estimate
 
   def eta(self, request: Request, waiting: Sequence[Request], now: float,
@@ -175,11 +184,13 @@ class AdmissionControl:
     known = [seconds for seconds in estimates if seconds is not None]
     return max(known) if known else config.default_retry_after_s
 
-  def admissible(self, request: Request, num_waiting: int) -> bool:
+  def admissible(self, request: Request, num_waiting: int, now: float = 0.0) -> bool:
     """Whether the cache and the queue would take `request` now (one that passed the
-    400 checks); no side effects, so a study can probe it at any moment."""
-    return (self.pages_left(self.estimate_pages(request)) >= self.watermark_pages
-            and num_waiting < self.config.max_waiting)
+    400 checks), behind the reservations ranked ahead of its id; no side effects
+    beyond releasing lapsed reservations, so a study can probe it at any moment."""
+    left = (self.pages_left(self.estimate_pages(request))
+            - self.wait.reserved_ahead(request.request_id, now))
+    return left >= self.watermark_pages and num_waiting < self.config.max_waiting
 
   # Bookkeeping the scheduler calls.
   def add_backlog(self, request: Request) -> None:
@@ -187,9 +198,12 @@ class AdmissionControl:
     estimate = self.estimate_pages(request)
     self._backlog[request.request_id] = estimate
     self.num_backlog_pages += estimate
+    if self.wait.reserve:
+      self.wait.backlog[request.request_id] = (request, estimate)
 
   def remove_backlog(self, request: Request) -> None:
     self.num_backlog_pages -= self._backlog.pop(request.request_id, 0)
+    self.wait.backlog.pop(request.request_id, None)
 
   def record_free(self, num_pages: int, now: float) -> None:
     """Pages that a finished or aborted request handed back: the page-free rate."""

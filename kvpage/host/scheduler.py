@@ -261,9 +261,10 @@ class Scheduler:
     return self.admission.eta(request, self.waiting, self.clock(), self.running,
                               self._forecast_key())
 
-  def _forecast_key(self) -> tuple[int, int, int]:
-    """Changes whenever the running set may have: the wait forecast's cache key."""
-    return self._step, self._num_finished, sum(self._preemptions.values())
+  def _forecast_key(self) -> tuple[int, int, int, int]:
+    """Changes whenever the running set or the backlog may have: the wait forecast's
+    cache key."""
+    return self._step, self._num_finished, sum(self._preemptions.values()), self._num_admitted
 
   def stats(self) -> dict[str, Any]:
     """Counters and gauges for the metrics module: usage, queues, preemptions, rejections."""

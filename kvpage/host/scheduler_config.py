@@ -15,7 +15,8 @@ MAX_DECODE_STEPS = 256  # a launch returns [num_decode_steps, rows] samples
 _POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
                   "fixed_output_estimate", "output_estimate_window", "num_decode_steps")
 _NON_NEGATIVE_INTS = ("chunk_size", "num_host_pages", "retry_jitter_seed")
-_POSITIVE_FLOATS = ("retry_after_window_s", "default_retry_after_s", "max_retry_after_s")
+_POSITIVE_FLOATS = ("retry_after_window_s", "default_retry_after_s", "max_retry_after_s",
+                    "retry_grace_s")
 
 
 def _check_choice(config: ml_collections.ConfigDict, key: str, choices: tuple[str, ...]) -> None:
@@ -39,9 +40,9 @@ def check(config: ml_collections.ConfigDict, max_model_len: int) -> None:
   if config.num_decode_steps > MAX_DECODE_STEPS:
     raise ValueError(f"scheduler.num_decode_steps must be at most {MAX_DECODE_STEPS}, got "
                      f"{config.num_decode_steps}")
-  if not isinstance(config.async_scheduling, bool):
-    raise ValueError(f"scheduler.async_scheduling must be true or false, got "
-                     f"{config.async_scheduling!r}")
+  for key in ("async_scheduling", "retry_reservations"):
+    if not isinstance(config[key], bool):
+      raise ValueError(f"scheduler.{key} must be true or false, got {config[key]!r}")
   if not 0 <= config.watermark < 1:
     raise ValueError(f"scheduler.watermark must be a fraction in [0, 1), got {config.watermark}")
   _check_choice(config, "output_estimate", OUTPUT_ESTIMATES)

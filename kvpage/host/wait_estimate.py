@@ -22,7 +22,20 @@ A rejected client told to come back at `t` will want its pages (or its slot) the
 so until `t` passes it stands in line: a later rejected client's estimate also
 counts the pages promised to those told to come back before its own moment. Without
 that, a burst of rejections all hear the same short hint and return together to
-room for one. The ledger shapes hints only; admission never holds room for anyone.
+room for one. By default the ledger shapes hints only; admission never holds room.
+
+With `retry_reservations` on, a 503 also holds room: the rejected request's pages are
+reserved under its id, in the order of its first rejection, from the moment of the
+answer until it comes back with that id (admitted: the reservation becomes backlog;
+rejected again: it keeps its place, with a new hint) or lapses `retry_grace_s` after
+its hint. Admission counts, for every request, the reservations ranked ahead of it
+(all of them, for a newcomer), and the hint is when the forecast drain covers the
+pages short of the line counted the same way, so a hint is the moment the very
+check that refused the request is forecast to pass. Held from the answer, not from
+the hint: room that opens before a promised client returns must not go to whoever
+arrives first, or every promise is broken at overload. The price is room idle until
+its holder returns, as long as the hint is late. The forecast then also nets out the
+pages running requests grow into before the drain, which otherwise makes it early.
 
 With `retry_jitter` > 0 a hint is stretched by a seeded uniform factor in
 [1, 1 + retry_jitter), so clients told the same moment spread out. Estimates are raw
@@ -32,6 +45,7 @@ Pure Python: never imports jax.
 """
 
 import collections
+import dataclasses
 import heapq
 import random
 from collections.abc import Sequence
@@ -40,6 +54,16 @@ import ml_collections
 
 from kvpage.host.pages import PagePool
 from kvpage.host.request import Request
+
+
+@dataclasses.dataclass
+class Reservation:
+  """Room held for a rejected request until it comes back (`retry_reservations`)."""
+
+  rank: int  # order of its first rejection: who is ahead of whom
+  pages: int  # its page estimate
+  due: float  # when it was told to come back
+  expires: float  # when the room is released if it has not
 
 
 class WaitEstimator:
@@ -63,6 +87,14 @@ class WaitEstimator:
     self._promises: list[tuple[float, int, int]] = []
     self.promised_pages = 0
     self.promised_slots = 0
+    self.reserve = bool(config.retry_reservations)
+    self.grace_s = config.retry_grace_s
+    self.reservations: dict[str, Reservation] = {}  # by request id
+    self._num_ranked = 0
+    self._turnover = 0.0  # pages per second, from the last net forecast
+    # Admitted requests that hold no device pages, with their estimates (by id):
+    # kept by `AdmissionControl`, read by the net forecast.
+    self.backlog: dict[str, tuple[Request, int]] = {}
 
   # Observations.
   def record_free(self, num_pages: int, now: float) -> None:
@@ -115,14 +147,63 @@ class WaitEstimator:
     step_s = self.seconds_per_step(now)
     events: list[tuple[float, int]] = []
     if step_s is not None:
-      pool, chunk = self.page_pool, self.chunk_size
-      for request in running:
-        prefill = max(0, request.num_prompt_tokens - request.num_computed_tokens)
-        steps = -(-prefill // chunk) + request.sampling.max_tokens - request.num_sampled
-        events.append((steps * step_s, pool.pages_for(request.num_prompt_tokens
-                                                      + request.sampling.max_tokens)))
-      events.sort()
+      if self.reserve:
+        events = self._net_forecast(running, step_s)
+      else:
+        pool, chunk = self.page_pool, self.chunk_size
+        for request in running:
+          prefill = max(0, request.num_prompt_tokens - request.num_computed_tokens)
+          steps = -(-prefill // chunk) + request.sampling.max_tokens - request.num_sampled
+          events.append((steps * step_s, pool.pages_for(request.num_prompt_tokens
+                                                        + request.sampling.max_tokens)))
+        events.sort()
     self._forecast = (key, events)
+    return events
+
+  def _net_forecast(self, running: Sequence[Request],
+                    step_s: float) -> list[tuple[float, int]]:
+    """(seconds from now, net change in free pages) at each running request's end.
+
+    A finished request returns the pages it holds now (what it grows into on the way
+    is returned too, so it nets out), while those still running have taken the pages
+    they grew into by then: counting each end at its full size, as the plain
+    forecast does, is early by all that growth."""
+    pool, chunk = self.page_pool, self.chunk_size
+    rows = []  # (steps to its end, pages charged now, computed, prompt, total)
+    # The admitted backlog joins too: scheduled (soon, as admission left room for it),
+    # it trades its estimate at the line for the pages of its first chunk, and grows.
+    charged = [(request, len(request.page_ids)) for request in running]
+    charged.extend(self.backlog.values())
+    for request, charge in charged:
+      prompt, total = request.num_prompt_tokens, request.num_prompt_tokens + (
+          request.sampling.max_tokens)
+      computed = request.num_computed_tokens
+      prefill = max(0, prompt - computed)
+      steps = -(-prefill // chunk) + request.sampling.max_tokens - request.num_sampled
+      rows.append((steps, charge, computed, prompt, total))
+    rows.sort()
+    # Past these ends, the cache turns over at its steady rate (Little's law): each
+    # running request's peak pages over its whole time in the batch. Unlike the
+    # recent free rate, it needs no history (a fresh window after a burst of arrivals
+    # would say almost nothing drains) and no luck in which requests ended lately.
+    self._turnover = sum(pool.pages_for(total) / ((-(-prompt // chunk) + total - prompt)
+                                                  * step_s)
+                         for _, _, _, prompt, total in rows)
+    events: list[tuple[float, int]] = []
+    returned, previous = 0, 0
+    # One step ahead first: the backlog's first chunks may open room before any end.
+    for index, (steps, held, *_) in [(-1, (1, 0)), *enumerate(rows)]:
+      returned += held
+      grown = 0
+      for _, held_j, computed, prompt, total in rows[index + 1:]:
+        prefill = max(0, prompt - computed)
+        prefill_steps = -(-prefill // chunk)
+        tokens = (min(prompt, computed + steps * chunk) if steps <= prefill_steps
+                  else prompt + steps - prefill_steps)
+        grown += max(0, pool.pages_for(min(total, tokens)) - held_j)
+      net = returned - grown
+      events.append((steps * step_s, net - previous))
+      previous = net
     return events
 
   def seconds_for_pages(self, num_pages: float, now: float,
@@ -130,7 +211,8 @@ class WaitEstimator:
                         promised: Sequence[tuple[float, int]] = ()) -> float | None:
     """Seconds until `num_pages` more pages have drained (plus the `promised` pages due
     before then: (seconds from now, pages), soonest first); None if nothing drains."""
-    need, freed, rate = max(num_pages, 0.0), 0, self.free_rate(now)
+    need, freed = max(num_pages, 0.0), 0
+    rate = (self._turnover if self.reserve and forecast else 0.0) or self.free_rate(now)
     if need <= 0:
       return 0.0
     due = iter(promised)
@@ -157,27 +239,71 @@ class WaitEstimator:
     return max(num_slots, 0.0) / rate if rate else None
 
   def retry_after_pages(self, pages_short: float, num_pages: int, now: float,
-                        running: Sequence[Request] = (), key: object = None) -> float:
+                        running: Sequence[Request] = (), key: object = None,
+                        request_id: str = "") -> float:
     """The 503 hint: `pages_short` below the line for a request of `num_pages` pages,
-    behind the promises due before it; records the promise."""
+    behind the promises due before it; records the promise. With reservations,
+    `pages_short` already counts the reservations ahead (`reserved_ahead`), and the
+    request's own is made or renewed under `request_id`."""
+    if self.reserve:
+      seconds = self.seconds_for_pages(max(pages_short, 1.0), now,
+                                       self.drain_forecast(running, key, now))
+      held = self.reservations.get(request_id)
+      rank = held.rank if held is not None else self._next_rank()
+      # Never before those ahead of it: their room comes first, whatever the rates
+      # say now (a rate that rose since their hints would otherwise overtake them).
+      ahead = max((other.due for other in self.reservations.values() if other.rank < rank),
+                  default=now)
+      hint = min(self.max_s, max(self._hint(seconds), ahead - now))
+      self.reservations[request_id] = Reservation(rank, num_pages, now + hint,
+                                                  now + hint + self.grace_s)
+      return hint
     self._expire(now)
     promised = sorted((when - now, pages) for when, pages, _ in self._promises if pages)
     seconds = self.seconds_for_pages(max(pages_short, 1.0), now,
                                      self.drain_forecast(running, key, now), promised)
     return self._promise(seconds, now, num_pages, 0)
 
-  def retry_after_slots(self, slots_short: int, now: float) -> float:
+  def retry_after_slots(self, slots_short: int, now: float, request_id: str = "") -> float:
     """The 429 hint: `slots_short` queue places missing, behind those promised earlier;
-    records the promise."""
+    records the promise. A page reservation `request_id` holds is kept until then."""
     self._expire(now)
     seconds = self.seconds_for_slots(max(slots_short, 1) + self.promised_slots, now)
-    return self._promise(seconds, now, 0, 1)
+    hint = self._promise(seconds, now, 0, 1)
+    held = self.reservations.get(request_id)
+    if held is not None:
+      held.due, held.expires = now + hint, now + hint + self.grace_s
+    return hint
 
-  def _promise(self, seconds: float | None, now: float, pages: int, slots: int) -> float:
+  # Reservations (`retry_reservations`).
+  def reserved_ahead(self, request_id: str, now: float) -> int:
+    """Pages reserved for requests ranked ahead of `request_id` (all, if it holds none);
+    0 with reservations off. Lapsed reservations are released first."""
+    if not self.reservations:
+      return 0
+    lapsed = [rid for rid, held in self.reservations.items() if held.expires < now]
+    for rid in lapsed:
+      del self.reservations[rid]
+    own = self.reservations.get(request_id)
+    rank = own.rank if own is not None else self._num_ranked
+    return sum(held.pages for held in self.reservations.values() if held.rank < rank)
+
+  def release(self, request_id: str) -> None:
+    """Its holder is admitted: the room is now its backlog."""
+    self.reservations.pop(request_id, None)
+
+  def _next_rank(self) -> int:
+    self._num_ranked += 1
+    return self._num_ranked - 1
+
+  def _hint(self, seconds: float | None) -> float:
     hint = self.default_s if seconds is None else seconds
     if self.jitter:
       hint *= 1.0 + self.jitter * self._rng.random()
-    hint = min(self.max_s, hint)
+    return min(self.max_s, hint)
+
+  def _promise(self, seconds: float | None, now: float, pages: int, slots: int) -> float:
+    hint = self._hint(seconds)
     heapq.heappush(self._promises, (now + hint, pages, slots))
     self.promised_pages += pages
     self.promised_slots += slots

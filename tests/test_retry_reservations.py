@@ -1,0 +1,71 @@
+"""Reservations (`scheduler.retry_reservations`) at small scale, on a clock the test
+sets: a 503'd request holds its pages, so a newcomer cannot take them and the client
+returning with its id is admitted; a reservation lapses after its grace period."""
+
+from configs import scheduler as scheduler_lib
+from kvpage.host.request import Request, SamplingParams
+from kvpage.host.scheduler import Scheduler
+
+
+class Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def scheduler(**knobs) -> tuple[Scheduler, Clock]:
+  config = scheduler_lib.get_scheduler_config()
+  config.update({"watermark": 0.25, "retry_reservations": True, **knobs})
+  clock = Clock()
+  return Scheduler(config, num_pages=33, page_size=4, max_model_len=128, clock=clock), clock
+
+
+def req(rid: str, num_prompt: int, max_tokens: int) -> Request:
+  return Request(rid, [1] * num_prompt, SamplingParams(max_tokens))
+
+
+def fill_then_free(sched: Scheduler, clock: Clock) -> None:
+  """32 usable pages, 8 kept free: "hold" prefills 16 pages, "gone" 1, leaving 15
+  free, 7 above the line: too few for an 8-page request until "gone" ends."""
+  assert sched.add_request(req("hold", 64, 24)).admitted
+  assert sched.add_request(req("gone", 4, 4)).admitted
+  sched.schedule()
+  clock.now = 1.0
+
+
+def test_a_promised_client_returning_is_admitted_ahead_of_a_newcomer():
+  sched, clock = scheduler()
+  fill_then_free(sched, clock)
+  promised = sched.add_request(req("client", 20, 12))  # 8 pages: 1 short of the line
+  assert promised.status == 503 and promised.retry_after > 0
+  sched.abort("gone")  # 1 page back: room for one 8-page request
+  newcomer = sched.add_request(req("newcomer", 20, 12))
+  assert newcomer.status == 503 and "reserved" in newcomer.reason
+  clock.now += promised.retry_after
+  assert sched.add_request(req("client", 20, 12)).admitted  # against its reservation
+  assert not sched.admission.wait.reservations.get("client")
+  # The newcomer's hint stands behind the client's: it holds its own reservation now.
+  assert "newcomer" in sched.admission.wait.reservations
+
+
+def test_a_lapsed_reservation_frees_its_room():
+  sched, clock = scheduler(retry_grace_s=0.5)
+  fill_then_free(sched, clock)
+  promised = sched.add_request(req("client", 20, 12))
+  assert promised.status == 503
+  sched.abort("gone")
+  clock.now += promised.retry_after + 0.6  # the client never came back in time
+  assert sched.add_request(req("newcomer", 20, 12)).admitted
+  assert "client" not in sched.admission.wait.reservations
+
+
+def test_off_by_default_a_newcomer_takes_the_room():
+  config = scheduler_lib.get_scheduler_config()
+  assert config.retry_reservations is False
+  sched, clock = scheduler(retry_reservations=False)
+  fill_then_free(sched, clock)
+  assert sched.add_request(req("client", 20, 12)).status == 503
+  sched.abort("gone")
+  assert sched.add_request(req("newcomer", 20, 12)).admitted
