@@ -260,6 +260,34 @@ def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
 _FIELD_DTYPES = {"temperature": np.float32, "top_p": np.float32, "seeds": np.uint32}  # else i32
 
 
+class BatchLayout(NamedTuple):
+  """What a packed batch holds: its type (decode-only or not) and each field's shape.
+
+  Static (hashable), so the jitted step unpacks a packed batch with shapes it knows at
+  trace time; one layout per bucketed shape, like the programs themselves.
+  """
+
+  batch_type: type
+  shapes: tuple[tuple[int, ...], ...]
+
+
+def pack(batch: StepBatch) -> tuple[np.ndarray, BatchLayout]:
+  """The batch as one `i32` buffer plus its layout: one host-to-device copy per step.
+
+  Copying a pytree of thirteen small arrays costs a transfer per leaf (about 0.23 ms
+  on a 2-core CPU, a fifth of a batch-1 decode step); one buffer costs one.
+  The 4-byte floats and seeds travel as their bits and are viewed back on the device.
+  """
+  packed = np.concatenate([np.ascontiguousarray(field).reshape(-1).view(np.int32)
+                           for field in batch])
+  return packed, BatchLayout(type(batch), tuple(field.shape for field in batch))
+
+
+def field_dtype(name: str) -> type:
+  """The numpy dtype of a `StepBatch` field."""
+  return _FIELD_DTYPES.get(name, np.int32)
+
+
 def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int, *,
                   decode_only: bool = False) -> StepBatch:
   """An all-padding batch of the given (bucketed) shape: every token writes the null page.
@@ -273,7 +301,7 @@ def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int, *,
   fields, offset = [], 0
   for name, shape in zip(StepBatch._fields, shapes, strict=True):
     size = math.prod(shape)
-    fields.append(buffer[offset:offset + size].view(_FIELD_DTYPES.get(name, np.int32))
+    fields.append(buffer[offset:offset + size].view(field_dtype(name))
                   .reshape(shape))
     offset += size
   batch = (DecodeStepBatch if decode_only else StepBatch)(*fields)

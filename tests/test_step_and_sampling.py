@@ -12,6 +12,7 @@ from configs import tiny
 from experiments import build
 from kvpage import batch as batch_lib
 from kvpage.device import sampling
+from kvpage.device import step as step_lib
 from kvpage.host.request import Request, SamplingParams
 from kvpage.interface import ScheduledSequence
 from kvpage.sim import replay, workload
@@ -141,3 +142,20 @@ def test_argmax_is_the_first_maximum_like_jnp_argmax():
   assert sampling.argmax(logits).tolist() == expected.tolist()
   assert sampling.argmax(logits)[3] == 7 and sampling.argmax(logits)[5] == 0
   assert sampling.argmax(jnp.asarray([[1.0, jnp.nan, 2.0]]))[0] == 2  # in range, even so
+
+
+def test_a_packed_batch_unpacks_to_the_same_fields_bit_for_bit():
+  batch = batch_lib.example_batch(8, 4, 3, decode_only=True)
+  rng = np.random.default_rng(0)
+  for field in batch:
+    field[...] = rng.integers(-(2**31), 2**31 - 1, field.shape).astype(np.int64).astype(
+        field.dtype) if field.dtype != np.float32 else rng.normal(size=field.shape)
+  batch.seeds[:] = [0, 2**32 - 1, 12345, 2**31]
+  packed, layout = batch_lib.pack(batch)
+  assert packed.dtype == np.int32 and packed.ndim == 1
+  unpacked = jax.jit(step_lib._unpack, static_argnums=1)(jax.device_put(packed), layout)
+  assert type(unpacked) is batch_lib.DecodeStepBatch
+  for name, original, restored in zip(batch._fields, batch, unpacked, strict=True):
+    restored = np.asarray(restored)
+    assert restored.dtype == original.dtype and restored.shape == original.shape, name
+    assert restored.tobytes() == original.tobytes(), name

@@ -10,13 +10,13 @@ recompiles; it cannot see a compilation that reuses a trace (e.g. an input that
 differs only in being committed to a device), which the tests catch by counting XLA
 compilations through `jax.monitoring`.
 
-The batch arrives as numpy and crosses to the device in one explicit
-`jax.device_put` per launch (never as an implicit transfer at the jit boundary, which
-a transfer guard would refuse). The sampled ids leave as one fixed-width device
-array (`feed_width`, padded), which is also the `feed` of the next step: a batch
-token id `-(r + 1)` is read from row `r` of it on the device (async scheduling,
-`kvpage.batch`). `dispatch` returns without waiting for the device; the executor
-fetches the ids.
+The batch arrives as numpy and crosses to the device in one explicit `jax.device_put`
+per launch, packed into one buffer (`batch.pack`), never as an implicit transfer at the
+jit boundary, which a transfer guard would refuse. The sampled ids leave as one fixed-
+width device array (`feed_width`, padded), which is also the `feed` of the next step: a
+batch token id `-(r + 1)` is read from row `r` of it on the device (async scheduling,
+`kvpage.batch`). `dispatch` returns without waiting for the device; the executor fetches
+the ids.
 
 `dispatch_multi` runs multi-step decoding (`scheduler.num_decode_steps`): a decode
 batch goes through up to `num_steps` iterations in one program (a `fori_loop` over
@@ -24,6 +24,7 @@ the model), each iteration's samples becoming the next one's tokens on the devic
 Launch cost and host work are paid once per launch instead of once per token.
 """
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,20 @@ ForwardFn = Callable[[Any, paged_cache.PagedKVCache, StepBatch],
                      tuple[jax.Array, paged_cache.PagedKVCache]]
 
 
+def _unpack(packed: jax.Array, layout: batch_lib.BatchLayout) -> StepBatch:
+  """`batch_lib.pack` undone inside the program: slices of one buffer, floats bitcast."""
+  fields, offset = [], 0
+  for name, shape in zip(StepBatch._fields, layout.shapes, strict=True):
+    size = math.prod(shape)
+    flat = packed[offset:offset + size]
+    dtype = batch_lib.field_dtype(name)
+    if dtype is not np.int32:
+      flat = jax.lax.bitcast_convert_type(flat, dtype)
+    fields.append(flat.reshape(shape))
+    offset += size
+  return layout.batch_type(*fields)
+
+
 def _fed_tokens(batch: StepBatch, feed: jax.Array) -> jax.Array:
   """The batch's token ids, each `-(r + 1)` replaced by row `r` of the previous launch's feed."""
   fed = feed[jnp.maximum(-1 - batch.token_ids, 0)]
@@ -54,19 +69,21 @@ class Step:
     self.forward = forward
     self.num_compiles = 0
     self.feed_width = feed_width
-    self._jitted = jax.jit(self._step, donate_argnums=(1,), static_argnames=("all_greedy",))
+    self._jitted = jax.jit(self._step, donate_argnums=(1,),
+                           static_argnames=("layout", "all_greedy"))
     self._jitted_multi = jax.jit(self._multi_step, donate_argnums=(1,),
-                                 static_argnames=("all_greedy", "num_steps"))
+                                 static_argnames=("layout", "all_greedy", "num_steps"))
     self._no_feed = None
 
-  def _step(self, params, cache, batch, feed, all_greedy):
+  def _step(self, params, cache, packed, feed, layout, all_greedy):
     self.num_compiles += 1  # Python side effect: runs once per trace, i.e. per compile.
+    batch = _unpack(packed, layout)
     batch = batch._replace(token_ids=_fed_tokens(batch, feed))
     logits, cache = self.forward(params, cache, batch)
     tokens = sampling.sample(logits, batch, all_greedy=all_greedy)
     return jnp.zeros_like(feed).at[:tokens.shape[0]].set(tokens), cache
 
-  def _multi_step(self, params, cache, batch, feed, all_greedy, num_steps):
+  def _multi_step(self, params, cache, packed, feed, layout, all_greedy, num_steps):
     """Up to `num_steps` decode iterations in one program; row s runs `batch.num_steps[s]`.
 
     Iteration i moves each live row one position on (its pages were reserved by the
@@ -76,6 +93,7 @@ class Step:
     `i32[num_steps, feed_width]`, and the feed for the next launch: each row's last.
     """
     self.num_compiles += 1
+    batch = _unpack(packed, layout)
     first_tokens = _fed_tokens(batch, feed)
     num_tokens, num_seqs = batch.token_ids.shape[0], batch.context_lens.shape[0]
     page_size = cache.page_size
@@ -128,7 +146,9 @@ class Step:
                ) -> tuple[jax.Array, paged_cache.PagedKVCache]:
     """Launches the step; returns `i32[feed_width]` sampled ids (row s: sequence s) at once."""
     feed = self._checked_feed(batch, feed)
-    return self._jitted(params, cache, jax.device_put(batch), feed, all_greedy=all_greedy)
+    packed, layout = batch_lib.pack(batch)
+    return self._jitted(params, cache, jax.device_put(packed), feed, layout=layout,
+                        all_greedy=all_greedy)
 
   def dispatch_multi(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
                      all_greedy: bool, feed: jax.Array | None, num_steps: int
@@ -139,5 +159,6 @@ class Step:
     if not batch.decode_only:
       raise ValueError("multi-step decoding needs a decode-only batch")
     feed = self._checked_feed(batch, feed)
-    return self._jitted_multi(params, cache, jax.device_put(batch), feed,
+    packed, layout = batch_lib.pack(batch)
+    return self._jitted_multi(params, cache, jax.device_put(packed), feed, layout=layout,
                               all_greedy=all_greedy, num_steps=num_steps)
