@@ -13,10 +13,12 @@ the next window compete): the first boundary where it would be (or its retry's
 admission, if that comes first) is the time after which a retry would actually have
 been admitted.
 
-The scheduler runs with `--retry_reservations` (on by default here: without it the
-server keeps no promise, so whoever comes first takes the room a hint pointed at) and
-`--max_retry_after_s` (raised here: at 10x the honest wait exceeds the 60 s default
-cap); both are printed and recorded with the other scheduler knobs.
+The scheduler runs with `--retry_reservations` (on by default here, off in the
+library: without it the server keeps no promise, so whoever comes first takes the
+room a hint pointed at) and `--max_retry_after_s` (raised here: at 10x the honest wait
+exceeds the 60 s default cap); both are printed and recorded with the other scheduler
+knobs. `--loads` may include the knee just past 1x (`1.17` = 3.5 req/s by default),
+the first load where anything is rejected.
 
 Reports per load: the arrival rate, rejections, the share of rejected requests admitted
 on their first honoured retry, and the median ratio of the hint to that actual time.
@@ -67,8 +69,8 @@ class Rejection:
   retry_admitted: bool | None = None  # the honoured retry's answer
 
 
-def setup(config, hardware):
-  return build.serving_engine(config, executor="sim", hardware=hardware)
+def setup(config, hardware, num_pages: int = 0):
+  return build.serving_engine(config, executor="sim", hardware=hardware, num_pages=num_pages)
 
 
 def trace_at(config, rate: float) -> list[workload.TraceRequest]:
@@ -102,7 +104,16 @@ def find_base_rate(config, hardware) -> tuple[float, dict[str, int]]:
 
 def run_load(config, hardware, rate: float) -> dict:
   """Replays the workload at `rate` with obedient retrying clients; the figures."""
-  engine = setup(config, hardware).engine
+  return measure(config, hardware, trace_at(config, rate), rate,
+                 max_attempts=_MAX_ATTEMPTS.value)
+
+
+def measure(config, hardware, trace: list[workload.TraceRequest], rate: float, *,
+            max_attempts: int, num_pages: int = 0) -> dict:
+  """Replays `trace` (offered at `rate`) on the simulated `hardware` with clients that
+  retry exactly when told, probing after every step when each rejected request would
+  have been admitted; the figures (`summarize`)."""
+  engine = setup(config, hardware, num_pages).engine
   scheduler = engine.scheduler
   start = scheduler.clock()
   rejections: list[Rejection] = []
@@ -132,7 +143,7 @@ def run_load(config, hardware, rate: float) -> dict:
     rejections.append(rejection)
     probe = Request(item.request_id, list(item.prompt_ids), sampling(item))
     open_probes.append((rejection, probe))
-    if attempts[root] >= _MAX_ATTEMPTS.value or answer.retry_after is None:
+    if attempts[root] >= max_attempts or answer.retry_after is None:
       return None
     last[root] = rejection
     return dataclasses.replace(item, arrival_time=now + answer.retry_after)
@@ -148,7 +159,6 @@ def run_load(config, hardware, rate: float) -> dict:
         still.append((rejection, probe))
     open_probes[:] = still
 
-  trace = trace_at(config, rate)
   replay.replay(engine, trace, make_sampling=sampling, on_submit=on_submit, on_step=on_step,
                 on_reject=on_reject)
   return summarize(rate, trace, rejections, attempts, scheduler.clock() - start,

@@ -22,8 +22,10 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       output_estimate="max_tokens",  # expected output tokens: max_tokens | fixed | running_mean
       fixed_output_estimate=256,  # used by output_estimate="fixed"
       output_estimate_window=1000,  # finished requests averaged by "running_mean"
-      retry_after_window_s=10.0,  # page frees and queue departures this recent set the rates
-      default_retry_after_s=1.0,  # retry_after when nothing drained recently
+      # Retry hints and ETAs come from a forecast of the scheduler, its steps priced by a
+      # model fit to the last step_cost_window prefill and decode steps each.
+      step_cost_window=64,
+      default_retry_after_s=1.0,  # retry_after before any step was priced
       max_retry_after_s=60.0,
       # Stretch each retry hint by a seeded factor in [1, 1 + retry_jitter) so clients
       # told the same moment spread out; 0 = exact hints.
@@ -32,7 +34,7 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       # Hold room for a 503'd request until it retries with the same id (or lapses
       # retry_grace_s after its hint): newcomers see that room as taken, so a client
       # that returns when told finds its pages. Changes who is admitted; off = the
-      # ledger of promises shapes hints only.
+      # line of rejected requests shapes hints only.
       retry_reservations=False,
       retry_grace_s=2.0,
       # Chunked prefill (Sarathi-Serve, OSDI'24): none = whole prompts, prefill-first;

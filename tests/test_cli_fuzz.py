@@ -34,7 +34,7 @@ SERVE_FLAGS = ["num_requests", "arrival_rate", "arrival_process", "prompt_len", 
                "config.scheduler.max_num_seqs", "config.scheduler.nope", "config.model.nope",
                "config.model.max_seq_len", "config.model.vocab_size", "config.model.num_layers",
                "config.model.rope_theta", "config.cache.page_size", "config.nope",
-               "config.scheduler.retry_after_window_s", "config.scheduler.output_estimate"]
+               "config.scheduler.step_cost_window", "config.scheduler.output_estimate"]
 GENERATE_FLAGS = ["prompt_ids", "max_new_tokens", "page_size", "chunk_size", "temperature",
                   "top_k", "top_p", "seed", "attention_impl", "config.model.max_seq_len",
                   "config.model.vocab_size", "config.model.norm_eps", "config.nope",

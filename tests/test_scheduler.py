@@ -103,21 +103,6 @@ def test_running_mean_learns_from_finished_outputs():
   assert scheduler.add_request(req("long", 8, 1000)).admitted
 
 
-def test_retry_after_follows_the_recent_page_free_rate():
-  scheduler, clock = make(num_pages=32, page_size=4, watermark=0.25, retry_after_window_s=10.0)
-  assert scheduler.add_request(req("a", 40, 4)).admitted
-  assert scheduler.add_request(req("z", 20, 4)).admitted
-  step(scheduler)  # prefills: a holds 10 pages, z holds 5
-  clock.now = 5.0
-  scheduler.abort("z")  # 5 pages freed inside the 10 s window: 0.5 page/s
-  # 31 usable, watermark 7.75; 16 more pages leave 21 - 16 = 5: short by 2.75 pages, which
-  # at 0.5 page/s is 5.5 s. (In an empty cache it would fit: a 503, not a 400.)
-  answer = scheduler.add_request(req("b", 60, 4))
-  assert answer.status == 503 and answer.retry_after == pytest.approx(5.5)
-  clock.now = 30.0  # the free left the window: fall back to the default
-  assert scheduler.add_request(req("c", 60, 4)).retry_after == 1.0
-
-
 # Admission: 429.
 def test_429_at_the_waiting_queue_boundary():
   scheduler, _ = make(max_waiting=2)

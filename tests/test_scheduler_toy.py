@@ -51,9 +51,9 @@ def run_to_completion(scheduler: Scheduler) -> tuple[int, int]:
   while scheduler.has_unfinished():
     out = scheduler.schedule()
     peak = max(peak, scheduler.page_pool.num_used_pages)
+    scheduler.clock.now += 0.02  # the step runs
     scheduler.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
     steps += 1
-    scheduler.clock.now += 0.02
     assert not out.preempted and steps <= 100
   return steps, peak
 
@@ -64,7 +64,7 @@ def test_toy_setting_admits_three_and_sends_429_to_seven():
   answers = [scheduler.add_request(r) for r in requests]
   assert [a.status for a in answers] == [200] * 3 + [429] * 7
   assert all("waiting queue full (3 of 3)" in a.reason for a in answers[3:])
-  # Nothing has been freed yet, so retry_after is the configured default.
+  # No step has been priced yet, so retry_after is the configured default.
   assert all(a.retry_after == scheduler.config.default_retry_after_s for a in answers[3:])
   assert all(r.status is RequestStatus.REJECTED for r in requests[3:])
   assert scheduler.admission.num_backlog_pages == 3 * 16
@@ -95,9 +95,24 @@ def test_toy_setting_with_a_longer_queue_hits_the_watermark_instead():
   steps, peak = run_to_completion(scheduler)
   assert steps == OUTPUT and peak == 5 * 16  # 81% of the pool at the peak, no preemption
   assert scheduler.stats()["rejections"] == {400: 0, 429: 0, 503: 5}
-  # 80 pages came back inside the 10 s window: 8 pages/s. Refill the queue; the next 503
-  # is short 14.85 - 3 = 11.85 pages, so it is told to retry in 11.85 / 8 = 1.48 s.
+  # Refill the queue: the next 503 is short 14.85 - 3 pages until the five prefill in
+  # one step and their charge drops from 16 estimated pages to the 13 they hold
+  # (99 - 65 = 34 >= 14.85 + 16). The step-cost model has seen 20 ms decodes but only
+  # one prefill step, so it prices prefill as the cheapest step seen plus 25%: the
+  # forecast has room after 25 ms, and the hint adds one mean forecast step.
+  # First the five told to come back (at the default 1 s: nothing was priced then) and
+  # gone for good leave the line, `retry_grace_s` after their hint; until then they
+  # would stand ahead of every newcomer.
+  assert len(scheduler.admission.wait.reservations) == 5
+  scheduler.clock.now = 1.0 + scheduler.config.retry_grace_s + 0.01
   for i in range(10, 15):
     assert scheduler.add_request(toy_request(i)).admitted
+  assert not scheduler.admission.wait.reservations
   late = scheduler.add_request(toy_request(15))
-  assert late.status == 503 and late.retry_after == pytest.approx(11.85 / 8)
+  assert late.status == 503
+  assert late.retry_after == pytest.approx(0.025 + (0.025 + 49 * 0.02) / OUTPUT)
+  for _ in range(2):  # the steps run 20 ms, not 25: the client, told 45 ms, finds room
+    out = scheduler.schedule()
+    scheduler.clock.now += 0.02
+    scheduler.update(out, {s.request_id: 1 for s in out.scheduled if s.samples})
+  assert scheduler.add_request(toy_request(15)).admitted

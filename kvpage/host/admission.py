@@ -26,23 +26,22 @@ each running request's full remaining growth would never preempt, at the price o
 mostly idle cache.
 
 A rejection carries `retry_after`, raw seconds from the one wait estimator
-(`kvpage.host.wait_estimate`): for a 503 the pages short of the line (backlog
-included) and those promised to clients rejected before, over the recent page-free
-rate; for a 429 the queue places missing, over the queue's recent departure rate.
-With `retry_reservations` on, a 503 also reserves the request's pages under its id
-until it comes back: every request is then measured against the line after the
-reservations ranked ahead of it, so a promised client returning with its id is
-admitted ahead of newcomers (see `kvpage.host.wait_estimate`).
+(`kvpage.host.wait_estimate`): when the check that refused it is forecast to pass,
+the scheduler's own rules run ahead over what it holds, behind every client told to
+come back before it. With `retry_reservations` on, a 503 also holds the request's
+pages under its id until it comes back: every request is then measured against the
+line after the reservations ranked ahead of it, so a promised client returning with
+its id is admitted ahead of newcomers.
 
 Pure Python: never imports jax.
 """
 
 import collections
 import dataclasses
-from collections.abc import Sequence
 
 import ml_collections
 
+from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
 from kvpage.host.request import Request
 from kvpage.host.wait_estimate import WaitEstimator
@@ -77,9 +76,9 @@ class AdmissionControl:
     self._recent_outputs: collections.deque[int] = collections.deque(
         maxlen=config.output_estimate_window)
     self._recent_outputs_sum = 0
-    self.wait = WaitEstimator(config, page_pool)
     self._backlog: dict[str, int] = {}  # estimated pages of admitted, non-running requests
     self.num_backlog_pages = 0
+    self.wait = WaitEstimator(config, page_pool, self.watermark_pages, self._backlog)
 
   def expected_output_tokens(self, request: Request) -> int:
     """Output tokens `request` is expected to produce in total, per `output_estimate`."""
@@ -99,13 +98,11 @@ class AdmissionControl:
     tokens = request.num_prompt_tokens + self.expected_output_tokens(request)
     return self.page_pool.pages_for(tokens)
 
-  def decide(self, request: Request, num_waiting: int, now: float,
-             running: Sequence[Request] = (), key: object = None) -> Admission:
-    """400, 503, 429 or 200 for an arriving request (see the module docstring).
-
-    `running` and `key` (which changes whenever `running` may have) feed the wait
-    estimator's forecast of when pages free up."""
+  def decide(self, request: Request, now: float, queues: Queues) -> Admission:
+    """400, 503, 429 or 200 for an arriving request (see the module docstring); the
+    scheduler's `queues` feed the wait estimator's forecast."""
     rid, pool = request.request_id, self.page_pool
+    num_waiting = len(queues.waiting)
     max_tokens = request.sampling.max_tokens
     total = request.num_prompt_tokens + max_tokens
     if request.num_prompt_tokens == 0:
@@ -141,14 +138,13 @@ class AdmissionControl:
           f"cache pressure: {estimate} pages for this request + {self.num_backlog_pages} for "
           f"admitted waiting requests{held} would leave {left} of {pool.num_free_pages} free "
           f"pages, under the watermark of {self.watermark_pages:.1f}",
-          self.wait.retry_after_pages(self.watermark_pages - left, estimate, now, running, key,
-                                      rid),
-          rid)
+          self.wait.retry_after_pages(request, estimate, now, queues), rid)
     if num_waiting >= self.config.max_waiting:
       return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of "
                        f"{self.config.max_waiting})",
-                       self.wait.retry_after_slots(num_waiting - self.config.max_waiting + 1,
-                                                   now, rid), rid)
+                       self.wait.retry_after_slots(
+                           request, num_waiting - self.config.max_waiting + 1, now, queues),
+                       rid)
     self.wait.release(rid)
     return Admission(OK, "admitted", None, rid)
 
@@ -156,33 +152,6 @@ class AdmissionControl:
     """Free pages left after the admitted backlog and a request of `estimate` pages
     (before any reservation: see `WaitEstimator.reserved_ahead`)."""
     return self.page_pool.num_free_pages - self.num_backlog_pages - estimate
-
-  def eta(self, request: Request, waiting: Sequence[Request], now: float,
-          running: Sequence[Request] = (), key: object = None) -> float:
-    """Seconds until an admitted request that holds no device pages should be scheduled:
-    the pages of everything ahead of it in `waiting` plus its own first pages, short of
-    the free pages, at the page-free rate, and its place in the queue at the departure
-    rate, whichever is longer. A swapped request (not in `waiting`) resumes first and
-    needs only its own pages. The configured default where nothing drained recently."""
-    pool, pages, ahead = self.page_pool, 0, 0
-    if request in waiting:
-      for other in waiting:
-        if other is request:
-          break
-        pages += self._backlog.get(other.request_id, 0)
-        ahead += 1
-    config = self.config
-    first = request.num_tokens if config.prefill_policy == "none" else min(
-        request.num_tokens, config.chunk_size or config.max_num_batched_tokens)
-    pages += len(request.host_page_ids) or pool.pages_for(first)
-    short = pages - pool.num_free_pages
-    if short <= 0 and ahead == 0:
-      return 0.0
-    forecast = self.wait.drain_forecast(running, key, now)
-    estimates = (self.wait.seconds_for_pages(short, now, forecast),
-                 self.wait.seconds_for_slots(ahead, now))
-    known = [seconds for seconds in estimates if seconds is not None]
-    return max(known) if known else config.default_retry_after_s
 
   def admissible(self, request: Request, num_waiting: int, now: float = 0.0) -> bool:
     """Whether the cache and the queue would take `request` now (one that passed the
@@ -198,16 +167,9 @@ class AdmissionControl:
     estimate = self.estimate_pages(request)
     self._backlog[request.request_id] = estimate
     self.num_backlog_pages += estimate
-    if self.wait.reserve:
-      self.wait.backlog[request.request_id] = (request, estimate)
 
   def remove_backlog(self, request: Request) -> None:
     self.num_backlog_pages -= self._backlog.pop(request.request_id, 0)
-    self.wait.backlog.pop(request.request_id, None)
-
-  def record_free(self, num_pages: int, now: float) -> None:
-    """Pages that a finished or aborted request handed back: the page-free rate."""
-    self.wait.record_free(num_pages, now)
 
   def record_output(self, request: Request) -> None:
     """An output length for the running mean (requests that ended by length or stop)."""

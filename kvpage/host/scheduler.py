@@ -55,6 +55,7 @@ import ml_collections
 
 from kvpage.host import multi_step, scheduler_config
 from kvpage.host.admission import Admission, AdmissionControl
+from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
 from kvpage.host.request import Request, RequestStatus
 from kvpage.interface import (
@@ -98,6 +99,10 @@ class Scheduler:
     self._scheduled: dict[str, ScheduledSequence] = {}
     self._budget = 0
     self._chunk_size = config.chunk_size or config.max_num_batched_tokens
+    # Launched steps not yet updated: step -> (scheduled at, tokens, context tokens,
+    # sequences, iterations), priced for the wait estimator when their samples return.
+    self._launched: dict[int, tuple[float, int, int, int, int]] = {}
+    self._last_update = float("-inf")
 
   # Arrivals and departures.
   def add_request(self, request: Request) -> Admission:
@@ -118,8 +123,7 @@ class Scheduler:
     request.log(now, "queued", num_prompt_tokens=request.num_prompt_tokens,
                 max_tokens=request.sampling.max_tokens, priority=request.priority)
     answer = (self._duplicate(request) if live is not None
-              else self.admission.decide(request, len(self.waiting), now, self.running,
-                                         self._forecast_key()))
+              else self.admission.decide(request, now, self._queues()))
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
       request.log(now, "rejected", status=answer.status, reason=answer.reason,
@@ -158,7 +162,6 @@ class Scheduler:
   def schedule(self) -> SchedulerOutput:
     """Decides the next step's batch; see the module docstring for the order."""
     self._step += 1
-    self.admission.wait.record_step(self.clock())
     # Requests finished this step (abort-mode preemption) join those finished since
     # the last output, so each finished request is reported exactly once.
     out = SchedulerOutput(step=self._step, finished=self._finished, rejected=self._rejected)
@@ -188,7 +191,29 @@ class Scheduler:
       seq.request.num_computed_tokens = seq.start_position + len(seq.token_ids) + (
           seq.num_steps - 1)
       seq.request.num_pending += seq.samples * seq.num_steps
+    self._note_launch(out)
     return out
+
+  def _note_launch(self, out: SchedulerOutput) -> None:
+    """Keeps what the step computes, to price it once its samples return (`update`)."""
+    if out.scheduled:
+      iterations = max(seq.num_steps for seq in out.scheduled)
+      context = sum(seq.start_position + len(seq.token_ids) + (seq.num_steps - 1) / 2
+                    for seq in out.scheduled)
+      self._launched[out.step] = (self.clock(), out.num_batched_tokens, round(context),
+                                  len(out.scheduled), iterations)
+
+  def _price_step(self, output: SchedulerOutput) -> None:
+    """A step's samples are back: its time, from its launch (or, when launches overlap,
+    the previous step's return) to now, teaches the wait estimator what steps cost."""
+    launched = self._launched.pop(output.step, None)
+    if launched is None:
+      return
+    now = self.clock()
+    start, tokens, context, num_sequences, iterations = launched
+    seconds = (now - max(start, self._last_update)) / iterations
+    self._last_update = now
+    self.admission.wait.observe_step(tokens, context, num_sequences, seconds)
 
   def update(self, output: SchedulerOutput,
              sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:
@@ -203,6 +228,7 @@ class Scheduler:
     hit a stop token in the previous step) is void; one for a request preempted
     meanwhile still counts: the step that sampled it ran with the request's pages.
     """
+    self._price_step(output)
     finished = []
     now = None
     for seq in output.scheduled:
@@ -258,13 +284,14 @@ class Scheduler:
       return None
     if request.status is _RUNNING:
       return 0.0
-    return self.admission.eta(request, self.waiting, self.clock(), self.running,
-                              self._forecast_key())
+    return self.admission.wait.eta(request, self.clock(), self._queues())
 
-  def _forecast_key(self) -> tuple[int, int, int, int]:
-    """Changes whenever the running set or the backlog may have: the wait forecast's
-    cache key."""
-    return self._step, self._num_finished, sum(self._preemptions.values()), self._num_admitted
+  def _queues(self) -> Queues:
+    """The queues as the wait forecast reads them; the key changes whenever the running
+    set, the backlog or the pages they hold may have."""
+    return Queues(self.running, self.swapped, self.waiting,
+                  (self._step, self._num_finished, sum(self._preemptions.values()),
+                   self._num_admitted))
 
   def stats(self) -> dict[str, Any]:
     """Counters and gauges for the metrics module: usage, queues, preemptions, rejections."""
@@ -328,7 +355,6 @@ class Scheduler:
       if num_new == 0 or not pool.can_allocate(num_new):
         return  # Head-of-line blocking keeps FCFS order fair.
       self.waiting.popleft()
-      self.admission.wait.record_departure(self.clock())
       self.admission.remove_backlog(request)
       request.page_ids = pool.allocate(request.request_id, num_new)
       request.status = _RUNNING
@@ -411,14 +437,12 @@ class Scheduler:
       self.swapped.remove(request)
     elif request.status is RequestStatus.WAITING and request in self.waiting:
       self.waiting.remove(request)
-      self.admission.wait.record_departure(now)
     self.admission.remove_backlog(request)
-    num_freed = self.page_pool.free(request.request_id)
+    self.page_pool.free(request.request_id)
     request.page_ids, request.host_page_ids = [], []
     request.num_pending = 0  # a token still in flight for it is void
     request.status, request.finish_reason = RequestStatus.FINISHED, reason
     request.log(now, "finished", reason=reason, num_output_tokens=request.num_output_tokens)
-    self.admission.record_free(num_freed, now)
     if reason in ("length", "stop"):
       self.admission.record_output(request)
     self.requests.pop(request.request_id, None)

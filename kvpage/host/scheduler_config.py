@@ -13,10 +13,10 @@ PREEMPTION_MODES = ("recompute", "swap", "abort")
 MAX_DECODE_STEPS = 256  # a launch returns [num_decode_steps, rows] samples
 
 _POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
-                  "fixed_output_estimate", "output_estimate_window", "num_decode_steps")
+                  "fixed_output_estimate", "output_estimate_window", "num_decode_steps",
+                  "step_cost_window")
 _NON_NEGATIVE_INTS = ("chunk_size", "num_host_pages", "retry_jitter_seed")
-_POSITIVE_FLOATS = ("retry_after_window_s", "default_retry_after_s", "max_retry_after_s",
-                    "retry_grace_s")
+_POSITIVE_FLOATS = ("default_retry_after_s", "max_retry_after_s", "retry_grace_s")
 
 
 def _check_choice(config: ml_collections.ConfigDict, key: str, choices: tuple[str, ...]) -> None:
