@@ -6,7 +6,7 @@ with the hint replaced by a fixed guess, the same study fails, so it can tell.""
 
 import pytest
 
-from benchmarks import retry_honesty
+from benchmarks import retry_study
 from configs import hardware as hardware_lib
 from configs import tiny
 from kvpage.host import wait_estimate
@@ -20,7 +20,7 @@ def study(rate: float) -> dict:
   trace = workload.synthesize(num_requests=80, arrival_rate=rate, prompt_len="uniform:16:200",
                               output_len="uniform:16:128", vocab_size=config.model.vocab_size,
                               seed=3)
-  return retry_honesty.measure(config, hardware_lib.get_hardware("a100_80gb"), trace, rate,
+  return retry_study.measure(config, hardware_lib.get_hardware("a100_80gb"), trace, rate,
                                max_attempts=50, num_pages=160)
 
 
