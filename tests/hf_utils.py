@@ -1,9 +1,26 @@
-"""Tiny random Hugging Face Llama checkpoints for parity tests (torch is test-only)."""
+"""Tiny random Hugging Face Llama checkpoints for parity tests (torch is test-only).
+
+torch is imported when a checkpoint is made, not with this module: where no torch
+wheel exists (Python 3.12 on these machines) a test that needs one skips, and the
+other tests of its module still run.
+"""
+
+from __future__ import annotations
 
 import pathlib
+from typing import TYPE_CHECKING
 
-import torch
-import transformers
+import pytest
+
+if TYPE_CHECKING:
+  import transformers
+
+
+def _torch_and_transformers():
+  torch = pytest.importorskip("torch", reason="torch parity checks need a torch wheel")
+  import transformers  # after torch: its Llama classes need it
+
+  return torch, transformers
 
 
 def make_checkpoint(directory: pathlib.Path, *, num_heads: int = 4, num_kv_heads: int = 2,
@@ -12,6 +29,7 @@ def make_checkpoint(directory: pathlib.Path, *, num_heads: int = 4, num_kv_heads
                     max_shard_size: str | None = None,
                     rope_scaling: dict | None = None) -> transformers.LlamaForCausalLM:
   """Saves a random `LlamaForCausalLM` to `directory` and returns it (fp32, eval mode)."""
+  torch, transformers = _torch_and_transformers()
   kwargs = dict(vocab_size=vocab_size, hidden_size=num_heads * head_dim,
                 intermediate_size=ffn_dim, num_hidden_layers=num_layers,
                 num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -35,6 +53,7 @@ def make_checkpoint(directory: pathlib.Path, *, num_heads: int = 4, num_kv_heads
 
 def hf_greedy(model: transformers.LlamaForCausalLM, prompt: list[int],
               max_new_tokens: int) -> list[int]:
+  torch, _ = _torch_and_transformers()
   with torch.no_grad():
     out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
                          min_new_tokens=max_new_tokens, do_sample=False)
@@ -42,5 +61,6 @@ def hf_greedy(model: transformers.LlamaForCausalLM, prompt: list[int],
 
 
 def hf_logits(model: transformers.LlamaForCausalLM, prompt: list[int]):
+  torch, _ = _torch_and_transformers()
   with torch.no_grad():
     return model(torch.tensor([prompt])).logits[0].numpy()

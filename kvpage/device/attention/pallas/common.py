@@ -9,9 +9,14 @@ update the oracle and the XLA paths use (`reference.online_softmax_update`).
 
 Lowering. Every kernel here is lowered with Pallas' **Triton** backend, selected
 explicitly by passing `triton.CompilerParams`. Which backend a `pl.pallas_call` with no
-compiler parameters gets on GPU has changed across JAX releases (Mosaic GPU in some,
-where `pl.pallas_call` is deprecated in favour of `plgpu.kernel`; Triton in others), so
-the kernels do not rely on the default. Triton, deliberately:
+compiler parameters gets on GPU differs across the releases kvpage supports, so the
+kernels do not rely on the default:
+  * jax 0.10.x (and up to 0.11.1): Mosaic GPU is the default; Triton when asked for.
+  * jax 0.11.2 and 0.12: `pl.pallas_call` on GPU always lowers through Triton, with a
+    DeprecationWarning at lowering (the backend is deprecated since 0.11.0); Mosaic GPU
+    is reachable only through `plgpu.kernel`.
+Lowering for CUDA on a machine without a GPU needs, since 0.11, an abstract GPU device
+on the current abstract mesh (`tests/test_kernels.py` shows how). Triton, deliberately:
   * The kernel body uses only generic Pallas (ref indexing, `dot_general`, `fori_loop`), so
     the *same* body runs in interpret mode on CPU, where CI checks it against the
     reference, and lowers to Triton IR, which a CPU machine can also check
