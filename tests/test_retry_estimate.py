@@ -75,6 +75,13 @@ def test_a_later_client_stands_behind_the_first():
   assert second == pytest.approx(8 * STEP_S)
 
 
+def test_a_forecast_reused_later_in_the_same_state_counts_the_time_since():
+  sched, clock = two_running()
+  assert sched.add_request(req("b", 36, 8)).retry_after == pytest.approx(4 * STEP_S)
+  clock.now += 0.05  # an arrival in the middle of a step: the forecast is not rerun
+  assert sched.add_request(req("c", 36, 8)).retry_after == pytest.approx(8 * STEP_S - 0.05)
+
+
 def test_429_hint_is_the_forecast_departure_that_leaves_a_place():
   sched, clock = scheduler(max_num_seqs=1, max_waiting=1, watermark=0.0)
   assert sched.add_request(req("a", 8, 10)).admitted

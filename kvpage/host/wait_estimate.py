@@ -86,7 +86,7 @@ class WaitEstimator:
     self._num_ranked = 0
     self._slot_promises: list[float] = []  # when each 429'd client comes back
     # The last forecast: its key, the time it was made, its timeline, and what was
-    # rejected since ((until when, pages), from that time).
+    # rejected since ((until when, pages), in seconds from the time it was made).
     self._forecast: tuple[object, float, forecast.Timeline | None,
                           list[tuple[float, int]]] = (None, 0.0, None, [])
 
@@ -123,13 +123,12 @@ class WaitEstimator:
     if timeline is None:
       seconds = None
     elif held is not None and rid in timeline.admitted:
-      seconds = timeline.admitted[rid] - (now - made)
+      seconds = max(0.0, timeline.admitted[rid] - (now - made))
     else:
-      # Behind everything forecast and everyone rejected since.
-      seconds = timeline.first_room(self.rules["watermark_pages"] + num_pages,
-                                    [(end - (now - made), pages) for end, pages in taken])
-      if seconds is None:
-        seconds = self.max_s
+      # Behind everything forecast and everyone rejected since. The forecast's clock
+      # started when it was made; arrivals may come later within the same state.
+      opens = timeline.first_room(self.rules["watermark_pages"] + num_pages, taken)
+      seconds = self.max_s if opens is None else max(0.0, opens - (now - made))
       if held is None:
         steps = -(-request.num_prompt_tokens // (self.rules["chunk_size"]
                                                  or self.rules["max_num_batched_tokens"]))
