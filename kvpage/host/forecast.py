@@ -34,8 +34,8 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvpage.host.pages import PagePool
 from kvpage.host.request import Request
+from kvpage.units import cdiv
 
 
 class Queues(NamedTuple):
@@ -61,7 +61,7 @@ class Job:
   waiting: bool = False  # in the waiting queue (a departure is counted when it runs)
 
 
-def job_of(request: Request, pool: PagePool, estimate: int = 0) -> Job:
+def job_of(request: Request, estimate: int = 0) -> Job:
   """The forecast's view of `request` (running, queued or swapped)."""
   sampled, prompt = request.num_sampled, request.num_prompt_tokens
   computed = request.num_computed_tokens
@@ -138,9 +138,6 @@ class _Run:
   def room(self) -> int:
     return self.free - self.queue_charge - self.reserved_charge
 
-  def pages_for(self, num_tokens: int) -> int:
-    return -(-num_tokens // self.rules.page_size)
-
   def timeline(self) -> Timeline:
     while (self.running or self.queue or self.reserved) and self.now <= self.rules.horizon_s:
       self.admit_reservations()
@@ -205,8 +202,8 @@ class _Run:
     tokens = head.prefill or 1
     if not self.rules.chunked and tokens > budget:
       return False
-    return self.pages_for(head.computed + min(tokens, budget, self.chunk)) - head.pages <= (
-        self.free)
+    pages = cdiv(head.computed + min(tokens, budget, self.chunk), self.rules.page_size)
+    return pages - head.pages <= self.free
 
   def join_from_queue(self, chunks: list[tuple[Job, int]], budget: int) -> int:
     """The queue's heads join while budget, sequences and pages allow (FCFS)."""
@@ -225,7 +222,7 @@ class _Run:
     return budget
 
   def grow(self, job: Job, num_tokens: int) -> None:
-    pages = self.pages_for(num_tokens)
+    pages = cdiv(num_tokens, self.rules.page_size)
     if pages > job.pages:
       self.free -= pages - job.pages
       job.pages = pages

@@ -6,21 +6,21 @@ steps are bandwidth-bound), on top of a fixed launch cost:
 
     seconds ~ launch + per_token x num_batched_tokens + per_context x num_context_tokens
 
-Steps of two kinds are kept and fit apart, each over its most recent samples: steps
-that carry prefill tokens (compute-bound) and decode-only steps (bandwidth-bound).
-One line through both would misprice each, since a step costs the larger of its
-compute and its memory time, not their sum; and keeping both means a burst of
-decodes does not erase what a prefill costs. A kind with too few samples borrows the
-fit of all steps, and then costs no less than the cheapest step seen: a prefill-bound
-history (every step a full 2,048-token budget while a burst queues) says nothing about
-the weight-read floor that decode steps pay, and pricing them down the prefill line
-would forecast them 4x too fast. The coefficients are non-negative, fit by least squares on relative
-error (a 20 ms step matters as much as a 300 ms one), then scaled up by the fit's own
-relative error (root mean square over its samples; `BORROWED_ERROR` for a kind that
-borrows): the forecast built on them should be late by a little rather than early,
-since a client told to come back early is refused again. A fixed mean step time, the
-obvious alternative, is off by the ratio of the two kinds: about 7x on the simulated
-13B A100 (0.28 s for a 2,048-token prefill step, 0.04 s to decode a batch of 66).
+Steps of two kinds are kept and fit apart, each over its most recent samples: steps that
+carry prefill tokens (compute-bound) and decode-only steps (bandwidth-bound). One line
+through both would misprice each, since a step costs the larger of its compute and its
+memory time, not their sum; and keeping both means a burst of decodes does not erase
+what a prefill costs. A kind with too few samples borrows the fit of all steps, and then
+costs no less than the cheapest step seen: a prefill-bound history (every step a full
+2,048-token budget while a burst queues) says nothing about the weight-read floor that
+decode steps pay, and pricing them down the prefill line would forecast them 4x too
+fast. The coefficients are non-negative, fit by least squares on relative error (a 20 ms
+step matters as much as a 300 ms one), then scaled up by the fit's own relative error
+(root mean square over its samples; `BORROWED_ERROR` for a kind that borrows): the
+forecast built on them should be late by a little rather than early, since a client told
+to come back early is refused again. A fixed mean step time, the obvious alternative, is
+off by the ratio of the two kinds: about 7x on the simulated 13B A100 (0.28 s for a
+2,048-token prefill step, 0.04 s to decode a batch of 66).
 
 The samples are the scheduler's own view of a step (schedule to samples back), so the
 model includes host overhead and, on a real device, whatever the roofline misses.
@@ -45,17 +45,14 @@ class StepCostModel:
   """Seconds per step from (tokens computed, context tokens attended), fit online."""
 
   def __init__(self, window: int = 64):
-    # (num_batched_tokens, num_context_tokens, seconds), per kind of step.
-    self._samples: dict[str, collections.deque[tuple[int, int, float]]] = {
-        kind: collections.deque(maxlen=window) for kind in ("prefill", "decode")}
+    # (num_batched_tokens, num_context_tokens, seconds) of steps with prefill tokens
+    # (True) and of decode-only steps (False).
+    self._samples: dict[bool, collections.deque[tuple[int, int, float]]] = {
+        kind: collections.deque(maxlen=window) for kind in (True, False)}
     # The last fit of each kind; refit only when a forecast asks after new samples, so
     # observing a step costs the scheduler next to nothing.
     self._fits: dict[bool, tuple[float, float, float, float] | None] = {}
     self._stale = False
-
-  @property
-  def num_samples(self) -> int:
-    return sum(len(samples) for samples in self._samples.values())
 
   def observe(self, num_tokens: int, num_context_tokens: int, seconds: float, *,
               num_sequences: int) -> None:
@@ -66,7 +63,7 @@ class StepCostModel:
     fit = self._fits.get(prefill)  # possibly stale: good enough to spot a compile
     if fit is not None and seconds > OUTLIER * _price(fit, num_tokens, num_context_tokens):
       return
-    self._samples[_kind(prefill)].append((num_tokens, num_context_tokens, seconds))
+    self._samples[prefill].append((num_tokens, num_context_tokens, seconds))
     self._stale = True
 
   def predict(self, num_tokens: float, num_context_tokens: float,
@@ -84,7 +81,7 @@ class StepCostModel:
     if self._stale:
       self._fits, self._stale = {}, False
     if prefill not in self._fits:
-      own = self._samples[_kind(prefill)]
+      own = self._samples[prefill]
       every = [row for samples in self._samples.values() for row in samples]
       fit = None
       if len(own) >= KIND_SAMPLES:
@@ -102,10 +99,6 @@ def _price(fit: tuple[float, float, float, float], num_tokens: float,
            num_context_tokens: float) -> float:
   launch, per_token, per_context, floor = fit
   return max(floor, launch + per_token * num_tokens + per_context * num_context_tokens)
-
-
-def _kind(prefill: bool) -> str:
-  return "prefill" if prefill else "decode"
 
 
 def _non_negative_fit(rows: np.ndarray) -> tuple[np.ndarray, float]:

@@ -48,6 +48,7 @@ from kvpage.host import forecast
 from kvpage.host.pages import PagePool
 from kvpage.host.request import Request
 from kvpage.host.step_cost import StepCostModel
+from kvpage.units import cdiv
 
 
 @dataclasses.dataclass
@@ -74,7 +75,8 @@ class WaitEstimator:
                       chunked=config.prefill_policy == "chunked",
                       page_size=page_pool.page_size, watermark_pages=watermark_pages,
                       horizon_s=config.max_retry_after_s)
-    self.max_waiting = config.max_waiting
+    self.watermark_pages = watermark_pages
+    self.chunk_tokens = config.chunk_size or config.max_num_batched_tokens
     self.default_s = config.default_retry_after_s
     self.max_s = config.max_retry_after_s
     self.jitter = config.retry_jitter
@@ -127,11 +129,10 @@ class WaitEstimator:
     else:
       # Behind everything forecast and everyone rejected since. The forecast's clock
       # started when it was made; arrivals may come later within the same state.
-      opens = timeline.first_room(self.rules["watermark_pages"] + num_pages, taken)
+      opens = timeline.first_room(self.watermark_pages + num_pages, taken)
       seconds = self.max_s if opens is None else max(0.0, opens - (now - made))
       if held is None:
-        steps = -(-request.num_prompt_tokens // (self.rules["chunk_size"]
-                                                 or self.rules["max_num_batched_tokens"]))
+        steps = cdiv(request.num_prompt_tokens, self.chunk_tokens)
         run_s = (steps + request.sampling.max_tokens) * timeline.seconds_per_step
         taken.append((now - made + seconds + run_s, num_pages))
     hint = self._hint(seconds, timeline)
@@ -187,8 +188,8 @@ class WaitEstimator:
       self._forecast = (queues.key, now, None, [])
       return None, now, []
     pool = self.page_pool
-    running = [forecast.job_of(request, pool) for request in queues.running]
-    queue = [forecast.job_of(request, pool, self.backlog.get(request.request_id, 0))
+    running = [forecast.job_of(request) for request in queues.running]
+    queue = [forecast.job_of(request, self.backlog.get(request.request_id, 0))
              for request in (*queues.swapped, *queues.waiting)]
     for job in queue[len(queues.swapped):]:
       job.waiting = True
