@@ -2,6 +2,16 @@
 
 import setuptools
 
+SERVE = [
+    "fastapi>=0.110",
+    "uvicorn>=0.30",
+    "httptools>=0.6",  # uvicorn's fast HTTP parser
+    "prometheus_client>=0.20",
+    "transformers>=4.45",
+    "tokenizers>=0.19",
+    "jinja2>=3.1",  # chat templates
+]
+
 setuptools.setup(
     name="kvpage",
     version="0.1.0",
@@ -24,7 +34,13 @@ setuptools.setup(
         "safetensors>=0.4",
     ],
     extras_require={
+        # The streaming gateway (`python -m experiments.serve`); transformers for its
+        # tokenizer and chat templates only (it loads no torch).
+        "serve": SERVE,
         "test": [
+            *SERVE,
+            "openai>=1.40",  # the official client, driven against the server in tests
+            "httpx>=0.27",
             "pytest>=8",
             "hypothesis>=6.100",
             "chex>=0.1.90",
@@ -34,7 +50,6 @@ setuptools.setup(
             # torch 2.13.0's CPU build is the one these machines carry, for Python 3.11
             # only; on newer Pythons the torch parity tests skip.
             "torch==2.13.0; python_version < '3.12'",
-            "transformers>=4.45",
         ],
     },
 )

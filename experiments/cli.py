@@ -217,6 +217,28 @@ def define_config(default: str, help_string: str) -> flags.FlagHolder:
     sys.exit(USAGE_ERROR)
 
 
+SCHEDULER_SHORTCUTS = ("prefill_policy", "chunk_size", "preemption_mode", "max_num_seqs",
+                       "max_num_batched_tokens", "max_waiting", "watermark", "output_estimate",
+                       "num_decode_steps")
+
+
+def define_scheduler_shortcuts() -> dict[str, flags.FlagHolder]:
+  """`--NAME` for `--config.scheduler.NAME`, for the knobs studies turn most."""
+  return {name: flags.DEFINE_string(name, None, f"Shortcut for --config.scheduler.{name}.")
+          for name in SCHEDULER_SHORTCUTS}
+
+
+def apply_scheduler_shortcuts(config, holders: dict[str, flags.FlagHolder]) -> None:
+  """The shortcut flags that were given, into `config.scheduler`, typed like the defaults."""
+  for name, holder in holders.items():
+    if holder.value is not None:
+      kind = type(config.scheduler[name])
+      try:
+        config.scheduler[name] = kind(holder.value)
+      except ValueError:
+        raise ValueError(f"--{name}={holder.value!r} must be of type {kind.__name__}") from None
+
+
 def run(main: Callable[[list[str]], None]) -> None:
   """`app.run(main)`, with every error reported in one line (see the module docstring)."""
 

@@ -50,22 +50,12 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", "workdir/jax_cache", "Persistent XLA compilation cache ('' = off).")
 _SLO_TTFT = flags.DEFINE_float("slo_ttft", None, "TTFT SLO (s) for goodput.")
 _SLO_TPOT = flags.DEFINE_float("slo_tpot", None, "TPOT SLO (s) for goodput.")
-_SCHEDULER_FLAGS = {
-    name: flags.DEFINE_string(name, None, f"Shortcut for --config.scheduler.{name}.")
-    for name in ("prefill_policy", "chunk_size", "preemption_mode", "max_num_seqs",
-                 "max_num_batched_tokens", "max_waiting", "watermark", "output_estimate",
-                 "num_decode_steps")}
+_SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
 
 
 def apply_overrides(config: ml_collections.ConfigDict) -> None:
   """Shortcut scheduler flags into `config.scheduler`, typed like the defaults."""
-  for name, holder in _SCHEDULER_FLAGS.items():
-    if holder.value is not None:
-      kind = type(config.scheduler[name])
-      try:
-        config.scheduler[name] = kind(holder.value)
-      except ValueError:
-        raise ValueError(f"--{name}={holder.value!r} must be of type {kind.__name__}") from None
+  cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
   if _PAGE_SIZE.value is not None:
     if _PAGE_SIZE.value <= 0:
       raise ValueError(f"--page_size must be a positive number of tokens, got {_PAGE_SIZE.value}")

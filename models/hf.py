@@ -201,3 +201,34 @@ def load(checkpoint_dir: str | pathlib.Path,
     node[path[-1]] = value.T if path[-1] == "kernel" else value
   return config, params
 
+
+
+def load_tokenizer(checkpoint_dir: str | pathlib.Path) -> Any:
+  """The checkpoint's Hugging Face tokenizer (text and chat templates for the gateway).
+
+  transformers is needed for its tokenizer only (the `serve` extra); it loads no torch.
+  """
+  try:
+    import transformers
+  except ImportError:
+    raise CheckpointError("reading text needs the Hugging Face tokenizer: "
+                          "pip install -e '.[serve]'") from None
+  try:
+    return transformers.AutoTokenizer.from_pretrained(str(checkpoint_dir))
+  except Exception as error:  # transformers raises OSError, ValueError, its own types
+    raise CheckpointError(f"cannot load the tokenizer of {checkpoint_dir}: "
+                          f"{str(error).splitlines()[0] if str(error) else error!r}") from None
+
+
+def eos_token_ids(checkpoint_dir: str | pathlib.Path, tokenizer: Any = None) -> tuple[int, ...]:
+  """The ids that end generation: `generation_config.json`'s `eos_token_id` (an id or a
+  list, as Llama 3 lists several), else the tokenizer's end-of-sequence token."""
+  path = pathlib.Path(checkpoint_dir) / "generation_config.json"
+  value = _read_json(path).get("eos_token_id") if path.exists() else None
+  if value is None and tokenizer is not None:
+    value = tokenizer.eos_token_id
+  ids = [value] if isinstance(value, int) else list(value or [])
+  if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+    raise CheckpointError(f"{path}: eos_token_id must be a token id or a list of them, "
+                          f"got {value!r}")
+  return tuple(ids)

@@ -1,7 +1,7 @@
 """The dependency rule, read from the source: which world may import what, and no cycles.
 
 Rules (docs/architecture.md explains why):
-  * the host world — every module under `kvpage/host` and `kvpage/sim`, plus
+  * the host world — every module under `kvpage/host`, `kvpage/sim` and `kvpage/serve`, plus
     `kvpage/interface.py` and `kvpage/batch.py` — never imports jax, jaxlib, flax, optax,
     chex or `kvpage.device`;
   * nothing under `kvpage` imports `configs`, `models`, `experiments`, `benchmarks` or the
@@ -33,7 +33,8 @@ from collections.abc import Iterable, Iterator
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HOST_WORLD = ("kvpage/host", "kvpage/sim", "kvpage/interface.py", "kvpage/batch.py")
+HOST_WORLD = ("kvpage/host", "kvpage/sim", "kvpage/serve", "kvpage/interface.py",
+              "kvpage/batch.py")
 DEVICE_ONLY = ("jax", "jaxlib", "flax", "optax", "chex", "kvpage.device")
 PROJECT = ("kvpage", "models", "configs", "experiments", "benchmarks")
 # The tests import their helpers as top-level modules (`engine_utils`), so each file's

@@ -47,6 +47,11 @@ from kvpage.host.request import Request
 from kvpage.host.wait_estimate import WaitEstimator
 
 OK, BAD_REQUEST, TOO_MANY_REQUESTS, SERVICE_UNAVAILABLE = 200, 400, 429, 503
+# `Admission.cause`, by the check that answered: the 400s, then the 503, then the 429s
+# (`wait_deadline`: the forecast wait exceeds the request's own `max_queue_wait_s`).
+CAUSES = ("admitted", "empty_prompt", "context_length_exceeded", "exceeds_pool",
+          "invalid_token_ids", "exceeds_watermark", "duplicate_request_id", "kv_pressure",
+          "queue_full", "wait_deadline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +62,9 @@ class Admission:
   reason: str = ""
   retry_after: float | None = None
   request_id: str = ""
+  # Which check answered, as a stable code a gateway can send on (the `reason` is prose):
+  # one of CAUSES.
+  cause: str = "admitted"
 
   @property
   def admitted(self) -> bool:
@@ -106,19 +114,20 @@ class AdmissionControl:
     max_tokens = request.sampling.max_tokens
     total = request.num_prompt_tokens + max_tokens
     if request.num_prompt_tokens == 0:
-      return Admission(BAD_REQUEST, "empty prompt", None, rid)
+      return Admission(BAD_REQUEST, "empty prompt", None, rid, "empty_prompt")
     if total > self.max_model_len:
       return Admission(BAD_REQUEST, f"prompt ({request.num_prompt_tokens}) + max_tokens "
                        f"({max_tokens}) = {total} tokens exceeds max_model_len "
-                       f"{self.max_model_len}", None, rid)
+                       f"{self.max_model_len}", None, rid, "context_length_exceeded")
     if pool.pages_for(total) > pool.num_usable_pages:
       return Admission(BAD_REQUEST, f"{total} tokens need {pool.pages_for(total)} pages, more "
-                       f"than the whole pool ({pool.num_usable_pages})", None, rid)
+                       f"than the whole pool ({pool.num_usable_pages})", None, rid,
+                       "exceeds_pool")
     if self.vocab_size is not None:
       bad = [t for t in request.prompt_ids if not 0 <= t < self.vocab_size]
       if bad:
         return Admission(BAD_REQUEST, f"prompt token ids {bad[:5]} are outside the vocabulary "
-                         f"[0, {self.vocab_size})", None, rid)
+                         f"[0, {self.vocab_size})", None, rid, "invalid_token_ids")
     estimate = self.estimate_pages(request)
     # The smallest this estimate can ever be: the same for fixed policies, the prompt
     # plus one token once a running mean may shrink it. Above the line even then, the
@@ -128,7 +137,7 @@ class AdmissionControl:
     if pool.num_usable_pages - floor < self.watermark_pages:
       return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
                        f"({self.watermark_pages:.1f} of {pool.num_usable_pages} pages kept free) "
-                       "even in an empty cache", None, rid)
+                       "even in an empty cache", None, rid, "exceeds_watermark")
     reserved = self.wait.reserved_ahead(rid, now)
     left = self.pages_left(estimate) - reserved
     if left < self.watermark_pages:
@@ -138,13 +147,13 @@ class AdmissionControl:
           f"cache pressure: {estimate} pages for this request + {self.num_backlog_pages} for "
           f"admitted waiting requests{held} would leave {left} of {pool.num_free_pages} free "
           f"pages, under the watermark of {self.watermark_pages:.1f}",
-          self.wait.retry_after_pages(request, estimate, now, queues), rid)
+          self.wait.retry_after_pages(request, estimate, now, queues), rid, "kv_pressure")
     if num_waiting >= self.config.max_waiting:
       return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of "
                        f"{self.config.max_waiting})",
                        self.wait.retry_after_slots(
                            request, num_waiting - self.config.max_waiting + 1, now, queues),
-                       rid)
+                       rid, "queue_full")
     self.wait.release(rid)
     return Admission(OK, "admitted", None, rid)
 

@@ -61,14 +61,17 @@ class Engine:
 
   def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
                   request_id: str | None = None, priority: int = 0,
-                  arrival_time: float | None = None) -> tuple[Request, Admission]:
+                  arrival_time: float | None = None,
+                  max_queue_wait_s: float | None = None) -> tuple[Request, Admission]:
     """Submits a request; the admission answer says 200 (queued) or why not."""
     request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), sampling,
-                      priority=priority, arrival_time=arrival_time)
+                      priority=priority, arrival_time=arrival_time,
+                      max_queue_wait_s=max_queue_wait_s)
     return request, self.scheduler.add_request(request)
 
-  def abort(self, request_id: str) -> bool:
-    return self.scheduler.abort(request_id)
+  def abort(self, request_id: str, reason: str = "aborted") -> bool:
+    """Ends a live request with finish reason `reason`; False if it is not live."""
+    return self.scheduler.abort(request_id, reason)
 
   def has_unfinished(self) -> bool:
     """True while a request is live or a launched step is not collected yet."""

@@ -87,19 +87,25 @@ class Request:
   sampling: SamplingParams
   priority: int = 0  # lower value = more important, as in vLLM
   arrival_time: float | None = None
+  # Longest it may wait, from arrival, to be first scheduled; None = as long as it takes.
+  # Refused at admission if the forecast wait is longer; ended ("deadline") when it passes.
+  max_queue_wait_s: float | None = None
   status: RequestStatus = RequestStatus.WAITING
   output_ids: list[int] = dataclasses.field(default_factory=list)
   page_ids: list[int] = dataclasses.field(default_factory=list)
   host_page_ids: list[int] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0
   num_pending: int = 0  # tokens sampled by scheduled steps, not yet in output_ids
-  finish_reason: str | None = None  # "length", "stop", "preempted" or "aborted"
+  finish_reason: str | None = None  # "length", "stop", "preempted", "aborted" or "deadline"
   events: list[Event] = dataclasses.field(default_factory=list)
   num_preemptions: int = 0
   admission_index: int = -1  # order of admission: breaks priority ties, newest first
 
   def __post_init__(self) -> None:
     self.prompt_ids = list(self.prompt_ids)
+    wait = self.max_queue_wait_s
+    if wait is not None and not 0 < wait < math.inf:  # NaN fails the comparison too
+      raise ValueError(f"max_queue_wait_s must be a finite number of seconds > 0, got {wait!r}")
 
   def log(self, time: float, kind: str, **detail: Any) -> None:
     """Appends an event to this request's log."""

@@ -47,6 +47,7 @@ Pure Python: never imports jax.
 """
 
 import collections
+import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
@@ -54,7 +55,7 @@ from typing import Any, cast
 import ml_collections
 
 from kvpage.host import multi_step, scheduler_config
-from kvpage.host.admission import Admission, AdmissionControl
+from kvpage.host.admission import TOO_MANY_REQUESTS, Admission, AdmissionControl
 from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
 from kvpage.host.request import Request, RequestStatus
@@ -92,6 +93,9 @@ class Scheduler:
     self._rejected: list[Admission] = []
     self._step = 0
     self._num_admitted = 0
+    self._num_joins = 0  # queue joins, withdrawn ones included: the forecast's key
+    # (deadline, admission index, request) of admitted requests with a max_queue_wait_s.
+    self._deadlines: list[tuple[float, int, Request]] = []
     self._num_finished = 0
     self._preemptions = dict.fromkeys(scheduler_config.PREEMPTION_MODES, 0)
     self._rejections = {400: 0, 429: 0, 503: 0}
@@ -124,44 +128,88 @@ class Scheduler:
                 max_tokens=request.sampling.max_tokens, priority=request.priority)
     answer = (self._duplicate(request) if live is not None
               else self.admission.decide(request, now, self._queues()))
+    if answer.admitted:
+      self._join(request)
+      if request.max_queue_wait_s is not None:
+        answer = self._check_deadline(request, answer, now)
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
       request.log(now, "rejected", status=answer.status, reason=answer.reason,
                   retry_after=answer.retry_after)
       self._count_rejection(answer)
       return answer
+    self._num_admitted += 1
+    if request.max_queue_wait_s is not None:
+      heapq.heappush(self._deadlines, (request.arrival_time + request.max_queue_wait_s,
+                                       request.admission_index, request))
+    request.log(now, "admitted", estimated_pages=self.admission.estimate_pages(request))
+    return answer
+
+  def _join(self, request: Request) -> None:
+    """Puts an admitted request at the end of the waiting queue, its estimate in the backlog."""
     request.status = RequestStatus.WAITING
     request.admission_index = self._num_admitted
-    self._num_admitted += 1
+    self._num_joins += 1
     self.requests[request.request_id] = request
     self.waiting.append(request)
     self.admission.add_backlog(request)
-    request.log(now, "admitted", estimated_pages=self.admission.estimate_pages(request))
-    return answer
+
+  def _check_deadline(self, request: Request, answer: Admission, now: float) -> Admission:
+    """`answer`, or a 429 taking `request` back out of the queue it just joined if the
+    forecast has it wait longer than its `max_queue_wait_s` (from its arrival)."""
+    limit = cast(float, request.max_queue_wait_s)
+    waited = now - cast(float, request.arrival_time)
+    eta = self.admission.wait.eta(request, now, self._queues())
+    if waited + eta <= limit:
+      return answer
+    self.waiting.pop()
+    self.admission.remove_backlog(request)
+    del self.requests[request.request_id]
+    request.admission_index = -1
+    over = waited + eta - limit
+    return Admission(TOO_MANY_REQUESTS, f"forecast wait {waited + eta:.2f} s exceeds the "
+                     f"request's max_queue_wait_s {limit:g} s",
+                     self.admission.wait.retry_after_deadline(over, now, self._queues()),
+                     request.request_id, "wait_deadline")
 
   @staticmethod
   def _duplicate(request: Request) -> Admission:
     return Admission(400, f"duplicate request_id {request.request_id!r}: a live request "
-                     "holds it", None, request.request_id)
+                     "holds it", None, request.request_id, "duplicate_request_id")
 
   def _count_rejection(self, answer: Admission) -> None:
     self._rejections[answer.status] += 1
     self._rejected.append(answer)
 
-  def abort(self, request_id: str) -> bool:
-    """Ends a request in any state and frees all it holds; False if it is not live."""
+  def abort(self, request_id: str, reason: str = "aborted") -> bool:
+    """Ends a request in any state and frees all it holds; False if it is not live.
+
+    `reason` is its finish reason: a gateway that matched a stop string on the text
+    ends the request with "stop".
+    """
     request = self.requests.get(request_id)
     if request is None:
       return False
     now = self.clock()
-    request.log(now, "aborted", status=request.status.value)
-    self._finish(request, "aborted", now)
+    request.log(now, "aborted", status=request.status.value, reason=reason)
+    self._finish(request, reason, now)
     return True
+
+  def _expire_deadlines(self, now: float) -> None:
+    """Ends ("deadline") each request still waiting for its first step past its deadline."""
+    while self._deadlines and self._deadlines[0][0] <= now:
+      _, _, request = heapq.heappop(self._deadlines)
+      # Only recompute preemption sends a scheduled request back to WAITING, and it counts.
+      if (request.status is RequestStatus.WAITING and request.num_preemptions == 0
+          and self.requests.get(request.request_id) is request):
+        self._finish(request, "deadline", now)
 
   # The step.
   def schedule(self) -> SchedulerOutput:
     """Decides the next step's batch; see the module docstring for the order."""
     self._step += 1
+    if self._deadlines:
+      self._expire_deadlines(self.clock())
     # Requests finished this step (abort-mode preemption) join those finished since
     # the last output, so each finished request is reported exactly once.
     out = SchedulerOutput(step=self._step, finished=self._finished, rejected=self._rejected)
@@ -291,7 +339,7 @@ class Scheduler:
     set, the backlog or the pages they hold may have."""
     return Queues(self.running, self.swapped, self.waiting,
                   (self._step, self._num_finished, sum(self._preemptions.values()),
-                   self._num_admitted))
+                   self._num_joins))
 
   def stats(self) -> dict[str, Any]:
     """Counters and gauges for the metrics module: usage, queues, preemptions, rejections."""

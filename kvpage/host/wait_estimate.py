@@ -165,12 +165,21 @@ class WaitEstimator:
       held.due, held.expires = now + hint, now + hint + self.grace_s
     return hint
 
+  def retry_after_deadline(self, seconds_over: float, now: float,
+                           queues: forecast.Queues) -> float:
+    """The hint for a request whose forecast wait exceeds its deadline by `seconds_over`:
+    the queue ahead of it drains a second per second, so then the wait would fit."""
+    timeline, _, _ = self._timeline(queues, now)
+    return self._hint(seconds_over, timeline)
+
   def eta(self, request: Request, now: float, queues: forecast.Queues) -> float:
     """Seconds until an admitted request holding no device pages is forecast to be
-    scheduled; `default_retry_after_s` before any step was priced."""
+    scheduled; before any step was priced, 0 at the head of the queue, else
+    `default_retry_after_s`."""
     timeline, made, _ = self._timeline(queues, now)
     if timeline is None:
-      return self.default_s
+      at_head = not queues.swapped and bool(queues.waiting) and queues.waiting[0] is request
+      return 0.0 if at_head else self.default_s
     when = timeline.scheduled.get(request.request_id)
     return self.max_s if when is None else max(0.0, when - (now - made))
 

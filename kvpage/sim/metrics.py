@@ -68,11 +68,16 @@ def failed_requests(rows: Sequence[dict[str, Any]],
 
 
 class MetricsRecorder:
-  """Collects step rows and token timestamps while an engine runs."""
+  """Collects step rows and token timestamps while an engine runs.
 
-  def __init__(self, scheduler: Any, clock: Callable[[], float]):
+  With `history` off (a server that runs for days) it keeps nothing of a request after
+  `finish` hands back its row, and no step rows: `on_step` returns each one instead.
+  """
+
+  def __init__(self, scheduler: Any, clock: Callable[[], float], *, history: bool = True):
     self.scheduler = scheduler
     self.clock = clock
+    self.history = history
     self.requests: list[Request] = []
     self.steps: list[dict[str, Any]] = []
     self.token_times: dict[str, list[float]] = collections.defaultdict(list)
@@ -81,10 +86,19 @@ class MetricsRecorder:
 
   def track(self, request: Request) -> None:
     """Registers a submitted request (admitted or not)."""
-    self.requests.append(request)
+    if self.history:
+      self.requests.append(request)
+
+  def finish(self, request: Request) -> dict[str, Any]:
+    """The row of a request that ended; without `history`, forgets its token times."""
+    row = self.request_row(request)
+    if not self.history:
+      self.token_times.pop(request.request_id, None)
+    return row
 
   def on_step(self, output: Any, new_tokens: dict[str, list[int]],
-              finished: list[Request]) -> None:
+              finished: list[Request]) -> dict[str, Any]:
+    """Records one step; returns its row (kept in `steps` with `history`)."""
     del finished  # Read from the requests themselves.
     now = self.clock()
     stats = self.scheduler.stats()
@@ -99,34 +113,37 @@ class MetricsRecorder:
     for key in ("preemptions", "rejections"):
       row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
       self._last[key] = dict(stats[key])
-    self.steps.append(row)
+    if self.history:
+      self.steps.append(row)
     for request_id, tokens in new_tokens.items():  # a multi-step decode's arrive together
       self.token_times[request_id].extend([now] * len(tokens))
+    return row
 
   def request_rows(self) -> list[dict[str, Any]]:
-    """Per-request latencies (seconds) and outcome."""
-    rows = []
-    for request in self.requests:
-      arrival = request.arrival_time
-      scheduled, first = _first_event(request, "scheduled"), _first_event(request, "first_token")
-      done = _first_event(request, "finished") if request.is_finished else None
-      times = self.token_times.get(request.request_id, [])
-      gaps = np.diff(times).tolist() if len(times) > 1 else []
-      rejection = next((e.detail for e in request.events if e.kind == "rejected"), {})
-      tpot = ((done - first) / (request.num_output_tokens - 1)
-              if done is not None and first is not None and request.num_output_tokens > 1
-              else None)
-      rows.append(dict(
-          request_id=request.request_id, priority=request.priority,
-          prompt_tokens=request.num_prompt_tokens, output_tokens=request.num_output_tokens,
-          status=request.status.value, finish_reason=request.finish_reason,
-          rejected_status=rejection.get("status"), reject_reason=rejection.get("reason"),
-          arrival=arrival - self.start_time,
-          queue_wait_s=None if scheduled is None else scheduled - arrival,
-          ttft_s=None if first is None else first - arrival, tpot_s=tpot,
-          e2e_s=None if done is None else done - arrival, itl_s=gaps,
-          num_preemptions=request.num_preemptions))
-    return rows
+    """Per-request latencies (seconds) and outcome, for every tracked request."""
+    return [self.request_row(request) for request in self.requests]
+
+  def request_row(self, request: Request) -> dict[str, Any]:
+    """One request's latencies (seconds) and outcome: the one definition of each figure."""
+    arrival = request.arrival_time
+    scheduled, first = _first_event(request, "scheduled"), _first_event(request, "first_token")
+    done = _first_event(request, "finished") if request.is_finished else None
+    times = self.token_times.get(request.request_id, [])
+    gaps = np.diff(times).tolist() if len(times) > 1 else []
+    rejection = next((e.detail for e in request.events if e.kind == "rejected"), {})
+    tpot = ((done - first) / (request.num_output_tokens - 1)
+            if done is not None and first is not None and request.num_output_tokens > 1
+            else None)
+    return dict(
+        request_id=request.request_id, priority=request.priority,
+        prompt_tokens=request.num_prompt_tokens, output_tokens=request.num_output_tokens,
+        status=request.status.value, finish_reason=request.finish_reason,
+        rejected_status=rejection.get("status"), reject_reason=rejection.get("reason"),
+        arrival=arrival - self.start_time,
+        queue_wait_s=None if scheduled is None else scheduled - arrival,
+        ttft_s=None if first is None else first - arrival, tpot_s=tpot,
+        e2e_s=None if done is None else done - arrival, itl_s=gaps,
+        num_preemptions=request.num_preemptions)
 
   def summary(self, premises: dict[str, Any], slo_ttft_s: float | None = None,
               slo_tpot_s: float | None = None) -> dict[str, Any]:

@@ -1,0 +1,161 @@
+r"""What the HTTP layer costs: the same engine and workload, in-process and over HTTP.
+
+  python -m benchmarks.http_overhead --num_requests=64 --request_rate=4 --rounds=2
+
+One workload — `--num_requests` requests of `--prompt_len` random token ids each
+asking for `--output_len` tokens (greedy, `ignore_eos`), arriving as a seeded Poisson
+process at `--request_rate`, below the tiny model's capacity — runs two ways, in
+alternating rounds so that drift on a shared machine hits both alike:
+
+  * **in-process**: replayed straight into an `Engine` built from the config
+    (`kvpage.sim.replay`), timed by the scheduler's own events (`MetricsRecorder`):
+    TTFT from arrival to the step that sampled the first token, inter-token latency
+    (ITL) between the steps that sampled consecutive tokens;
+  * **HTTP**: the same prompts at the same moments from `benchmarks.load_client`,
+    streamed from `python -m experiments.serve` (same config, flags and seed, so the
+    same weights) in a process of its own, timed at the client: TTFT from the send to
+    the first content chunk, ITL between chunks.
+
+The HTTP figures therefore include everything the gateway adds: the request's parse
+and checks, the hop to the engine thread and back, SSE framing, the loopback socket,
+and the client's own parsing. Reports each round's p50/p99 and the ratio of the HTTP
+p50s to the in-process ones (the issue's bound: at most 1.05). Prints a table and
+writes JSON with the premises (model, dtype, lengths, batch policy, hardware, versions).
+"""
+
+import asyncio
+import json
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+from absl import flags
+from ml_collections import config_flags
+
+from benchmarks.load_client import LoadConfig, arrival_times, make_prompts, run_load, summarize
+from configs import hardware as hardware_lib
+from experiments import build, cli
+from kvpage.host.request import SamplingParams
+from kvpage.sim import metrics, premises, replay, workload
+
+_CONFIG = cli.define_config("configs/tiny.py", "Model config (random weights).")
+_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 64, "Requests per round.")
+_RATE = flags.DEFINE_float("request_rate", 4.0, "Poisson arrivals per second.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens.")
+_OUTPUT_LEN = flags.DEFINE_integer("output_len", 64, "Output tokens.")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "In-process/HTTP pairs, alternated.")
+_SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages; 0 = the config's.")
+_COMPILATION_CACHE = flags.DEFINE_string("compilation_cache", "workdir/jax_cache",
+                                         "Persistent XLA compilation cache ('' = off).")
+_OUT = flags.DEFINE_string("out", "workdir/http_overhead/result.json", "The JSON record.")
+_SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+  if not values:
+    return {"p50": None, "p99": None}
+  p50, p99 = np.percentile(values, [50, 99])
+  return {"p50": float(p50), "p99": float(p99)}
+
+
+def in_process(setup: build.ServingSetup, load: LoadConfig) -> dict:
+  """The workload replayed into the engine; figures from the scheduler's events."""
+  prompts, arrivals = make_prompts(load), arrival_times(load)
+  trace = [workload.TraceRequest(f"r{i}", arrival, tuple(prompt), load.output_len)
+           for i, (prompt, arrival) in enumerate(zip(prompts, arrivals, strict=True))]
+  engine = setup.engine
+  recorder = metrics.MetricsRecorder(engine.scheduler, engine.clock)
+  engine.on_step = recorder.on_step
+  replay.replay(engine, trace, on_submit=recorder.track, make_sampling=lambda item: (
+      SamplingParams(max_tokens=item.output_len, ignore_eos=True)))
+  rows = [row for row in recorder.request_rows() if row["finish_reason"] == "length"]
+  return dict(served=len(rows), ttft_s=_percentiles([row["ttft_s"] for row in rows]),
+              itl_s=_percentiles([gap for row in rows for gap in row["itl_s"]]))
+
+
+def over_http(load: LoadConfig) -> dict:
+  """The same workload from the load client; figures at the client."""
+  summary = summarize(asyncio.run(run_load(load)))
+  return dict(served=summary["served"], rejections=summary["rejections"],
+              ttft_s={k: summary["ttft_s"][k] for k in ("p50", "p99")},
+              itl_s={k: summary["itl_s"][k] for k in ("p50", "p99")})
+
+
+def start_server(argv_flags: list[str]) -> tuple[subprocess.Popen, str]:
+  process = subprocess.Popen([sys.executable, "-m", "experiments.serve", "--port=0",
+                              "--warmup_sampling=false", *argv_flags],
+                             stdout=subprocess.PIPE, text=True)
+  for line in process.stdout:
+    found = re.search(r" on (http://127\.0\.0\.1:\d+) ", line)
+    if found:
+      return process, found.group(1)
+  raise RuntimeError(f"the server exited with {process.wait()} before listening")
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  config = cli.load_config(_CONFIG)
+  cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
+  # The server gets the same config file and flags (config overrides other than the
+  # shortcuts do not travel), so it builds the same engine with the same weights.
+  config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+  shared = [f"--config={config_file}", f"--num_pages={_NUM_PAGES.value}",
+            f"--compilation_cache={_COMPILATION_CACHE.value}",
+            *(f"--{name}={holder.value}" for name, holder in _SCHEDULER_FLAGS.items()
+              if holder.value is not None)]
+  with cli.workdir(_OUT.value.rsplit("/", 1)[0] if "/" in _OUT.value else ".") as directory:
+    cli.enable_compilation_cache(_COMPILATION_CACHE.value)
+    setup = build.serving_engine(config, executor="jax",
+                                 hardware=hardware_lib.get_hardware(config.hardware),
+                                 num_pages=_NUM_PAGES.value)
+    scheduler_config = setup.config.scheduler
+    setup.engine.executor.warmup(scheduler_config.max_num_seqs,
+                                 scheduler_config.max_num_batched_tokens,
+                                 num_decode_steps=scheduler_config.num_decode_steps)
+    server, url = start_server(shared)
+    try:
+      load = LoadConfig(url=url, num_requests=_NUM_REQUESTS.value, request_rate=_RATE.value,
+                        prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
+                        min_token_id=1, max_token_id=setup.config.model.vocab_size,
+                        seed=_SEED.value, max_retries=0)
+      rounds = []
+      for number in range(_ROUNDS.value):
+        local = in_process(setup, load)
+        time.sleep(0.5)
+        http = over_http(load)
+        rounds.append(dict(round=number, in_process=local, http=http))
+        print(f"round {number}: TTFT p50 {1e3 * local['ttft_s']['p50']:.2f} ms in-process, "
+              f"{1e3 * http['ttft_s']['p50']:.2f} ms over HTTP; ITL p50 "
+              f"{1e3 * local['itl_s']['p50']:.2f} / {1e3 * http['itl_s']['p50']:.2f} ms",
+              flush=True)
+    finally:
+      server.terminate()
+      server.wait(60)
+
+    def ratio(figure: str) -> float:
+      http = np.median([r["http"][figure]["p50"] for r in rounds])
+      local = np.median([r["in_process"][figure]["p50"] for r in rounds])
+      return float(http / local)
+
+    record = dict(
+        rounds=rounds, ttft_p50_ratio=ratio("ttft_s"), itl_p50_ratio=ratio("itl_s"),
+        premises=dict(model=setup.config.model.to_dict(), dtype=setup.config.model.dtype,
+                      prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
+                      num_requests=_NUM_REQUESTS.value, request_rate=_RATE.value,
+                      arrival_process="poisson", seed=_SEED.value,
+                      num_pages=setup.num_pages, page_size=setup.config.cache.page_size,
+                      policies=scheduler_config.to_dict(), hardware=setup.hardware_record,
+                      **premises.environment()))
+    print(f"\nHTTP / in-process, median over {len(rounds)} rounds: TTFT p50 "
+          f"{record['ttft_p50_ratio']:.3f}x, ITL p50 {record['itl_p50_ratio']:.3f}x "
+          f"(bound: 1.05)")
+    name = _OUT.value.rsplit("/", 1)[-1]
+    cli.write_files(directory, {name: json.dumps(record, indent=2)})
+  print(f"wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,107 @@
+r"""The streaming gateway: an OpenAI-compatible server that holds the KV line.
+
+  python -m experiments.serve --checkpoint=/path/to/llama        # text, chat templates
+  python -m experiments.serve --config=configs/tiny.py           # random weights, token ids
+  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
+      -d '{"prompt": "The cache", "max_tokens": 16, "stream": true}'
+
+Builds the engine as serve_bench does (the config's scheduler section, the shortcut
+flags, `--config.scheduler.KNOB=VALUE`), compiles every step shape before the port
+opens, then serves `kvpage.serve.app` with uvicorn; prints the address once it
+listens (`--port=0` picks a free one). SIGTERM or Ctrl-C drains: new requests get 503
+`draining`, live ones run for up to `--drain_timeout_s`, the rest are aborted, and the
+process exits 0; a second Ctrl-C exits at once.
+"""
+
+from absl import flags
+
+from configs import base as configs_check
+from configs import hardware as hardware_lib
+from experiments import build, cli
+
+_CONFIG = cli.define_config("configs/tiny.py",
+                            "Config for random weights; its scheduler and cache sections "
+                            "apply with --checkpoint too.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face Llama checkpoint dir "
+                                  "(with its tokenizer).")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
+_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on; 0 = any free port.")
+_MODEL_NAME = flags.DEFINE_string("served_model_name", None,
+                                  "Model name clients ask for (default: the checkpoint's "
+                                  "directory name, or the config's model name).")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = config's.")
+_MAX_QUEUE_WAIT = flags.DEFINE_float("max_queue_wait_s", None,
+                                     "Default wait deadline (seconds to the first step).")
+_DRAIN_TIMEOUT = flags.DEFINE_float("drain_timeout_s", 30.0,
+                                    "On SIGTERM, how long live requests may still run.")
+_STATUS_INTERVAL = flags.DEFINE_float("status_interval_s", 1.0,
+                                      "Seconds between queueing statuses on a waiting stream.")
+_KV_PRESSURE_STATUS = flags.DEFINE_enum("kv_pressure_status", "503", ["503", "429"],
+                                        "HTTP status for cache pressure (429 for proxies "
+                                        "that eject upstreams answering 5xx).")
+_WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before the port opens.")
+_WARMUP_SAMPLING = flags.DEFINE_bool("warmup_sampling", True,
+                                     "Also compile the sampled (temperature > 0) steps.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache", "workdir/jax_cache", "Persistent XLA compilation cache ('' = off).")
+_SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
+
+
+def check_flags() -> None:
+  if not 0 <= _PORT.value <= 65535:
+    raise ValueError(f"--port must be in [0, 65535], got {_PORT.value}")
+  if _NUM_PAGES.value < 0 or _NUM_PAGES.value == 1:
+    raise ValueError(f"--num_pages must be 0 (the config's) or >= 2, got {_NUM_PAGES.value}")
+  for name, value in (("max_queue_wait_s", _MAX_QUEUE_WAIT.value),
+                      ("drain_timeout_s", _DRAIN_TIMEOUT.value),
+                      ("status_interval_s", _STATUS_INTERVAL.value)):
+    if value is not None and not 0 < value < float("inf"):
+      raise ValueError(f"--{name} must be a number of seconds > 0, got {value}")
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  check_flags()
+  try:  # the serve extra, checked before minutes of compilation
+    from kvpage.serve import app as app_lib
+    from kvpage.serve import server as server_lib
+  except ImportError as error:
+    raise ValueError(f"the server needs the serve extra ({error.name} is missing): "
+                     "pip install -e '.[serve]'") from None
+  from models import hf
+
+  config = cli.load_config(_CONFIG)
+  cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
+  configs_check.check(config)
+  tokenizer, eos_ids = None, ()
+  if _CHECKPOINT.value:
+    tokenizer = hf.load_tokenizer(_CHECKPOINT.value)
+    eos_ids = hf.eos_token_ids(_CHECKPOINT.value, tokenizer)
+  cli.enable_compilation_cache(_COMPILATION_CACHE.value)
+  setup = build.serving_engine(config, executor="jax",
+                               hardware=hardware_lib.get_hardware(config.hardware),
+                               checkpoint=_CHECKPOINT.value, num_pages=_NUM_PAGES.value)
+  if tokenizer is not None and len(tokenizer) > setup.config.model.vocab_size:
+    raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
+                     f"is {setup.config.model.vocab_size}")
+  engine, scheduler_config = setup.engine, setup.config.scheduler
+  if _WARMUP.value:
+    greedy = (True, False) if _WARMUP_SAMPLING.value else (True,)
+    count = engine.executor.warmup(scheduler_config.max_num_seqs,
+                                   scheduler_config.max_num_batched_tokens, all_greedy=greedy,
+                                   num_decode_steps=scheduler_config.num_decode_steps)
+    print(f"kvpage serve: compiled {count} step programs", flush=True)
+  name = _MODEL_NAME.value or (_CHECKPOINT.value.rstrip("/").split("/")[-1]
+                               if _CHECKPOINT.value else setup.config.model.name)
+  server_config = app_lib.ServerConfig(
+      model_name=name, max_model_len=engine.scheduler.max_model_len,
+      status_interval_s=_STATUS_INTERVAL.value, max_queue_wait_s=_MAX_QUEUE_WAIT.value,
+      kv_pressure_status=int(_KV_PRESSURE_STATUS.value),
+      drain_timeout_s=_DRAIN_TIMEOUT.value, eos_token_ids=eos_ids)
+  gateway = app_lib.Gateway(engine, server_config, tokenizer)
+  server_lib.serve(gateway, host=_HOST.value, port=_PORT.value,
+                   banner=f"{setup.num_pages:,} KV pages")
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,440 @@
+"""The FastAPI application: OpenAI's endpoints over one engine, holding the KV line.
+
+  POST /v1/completions        prompt as text or token ids
+  POST /v1/chat/completions   messages through the checkpoint's chat template
+  GET  /v1/models, /health, /metrics
+
+**Push-back at the door.** Each request is admitted or refused by the scheduler
+(`EngineLoop.submit`) before its response starts, so a refusal is a real HTTP status:
+400 (it can never run), 503 (cache pressure; `kv_pressure_status` makes it 429 for
+proxies that eject upstreams answering 5xx), 429 (the queue is full, or the forecast
+wait exceeds the request's deadline), 503 while draining. A 429/503 carries
+`retry-after-ms` (the scheduler's estimate, in milliseconds) and `Retry-After` (whole
+seconds, at least 1), both capped at 120 s, the longest the official `openai` client
+waits; above the cap, `x-should-retry: false` tells that client not to retry at all.
+`x-kvpage-reject-reason` says which line pushed back: `kv_pressure`, `queue_full`,
+`wait_deadline` or `draining`.
+
+**Streaming** is server-sent events in OpenAI's chunk format, ending `data: [DONE]`.
+While an admitted request waits (never scheduled yet, or preempted), the stream
+carries its status every `status_interval_s`: by default as an SSE comment line,
+`: queueing position=3 waited_s=2.0 eta_s=4.1`, which spec-compliant clients ignore
+(so the `openai` client works unchanged) and which keeps proxies from cutting a silent
+stream; with `"stream_options": {"include_status": true}`, as a chunk with empty
+`choices` and a `status` object (`state` queueing | running | preempted, `position`,
+`waited_s`, `eta_s`). The ETA and the retry hints come from one estimator.
+
+**Deadlines.** `max_queue_wait_s` (the body field, else the `x-kvpage-max-wait-s`
+header, else the server's default) bounds the wait for the first step: a request
+forecast to wait longer is refused with a 429 and a hint; one whose deadline passes
+while it waits ends with an error event (or a 429, not streamed), its pages freed.
+
+**Disconnects.** A client that goes away aborts its request; its pages are free
+before the next step.
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import fastapi
+import prometheus_client
+from fastapi import responses
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvpage.host.admission import SERVICE_UNAVAILABLE, Admission
+from kvpage.host.engine import Engine
+from kvpage.host.request import SamplingParams
+from kvpage.serve import protocol
+from kvpage.serve.engine_loop import (
+  Delta,
+  EngineLoop,
+  EngineStoppedError,
+  QueueStatus,
+  Stream,
+  Submission,
+)
+from kvpage.serve.metrics import ServerMetrics
+from kvpage.serve.protocol import ApiError, GenerationRequest
+
+MAX_RETRY_AFTER_S = 120.0  # the official openai client waits at most this long
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+MAX_REQUEST_ID = 128
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+  """How the gateway answers; the engine's own policy lives in its scheduler config."""
+
+  model_name: str
+  max_model_len: int
+  status_interval_s: float = 1.0
+  max_queue_wait_s: float | None = None  # the default wait deadline
+  kv_pressure_status: int = SERVICE_UNAVAILABLE  # or 429
+  drain_timeout_s: float = 30.0
+  eos_token_ids: tuple[int, ...] = ()
+
+
+def push_back_headers(retry_after_s: float | None, reason: str) -> dict[str, str]:
+  """The headers of a 429/503: the hint in two units, capped, and which line said no."""
+  headers = {"x-kvpage-reject-reason": reason}
+  if retry_after_s is None:
+    return headers
+  capped = min(max(retry_after_s, 0.0), MAX_RETRY_AFTER_S)
+  headers["retry-after-ms"] = str(max(1, round(capped * 1000)))
+  headers["Retry-After"] = str(max(1, math.ceil(capped)))
+  headers["x-should-retry"] = "false" if retry_after_s > MAX_RETRY_AFTER_S else "true"
+  return headers
+
+
+class Gateway:
+  """The server's state: the engine loop, the tokenizer, and whether it is draining."""
+
+  def __init__(self, engine: Engine, config: ServerConfig, tokenizer: Any = None):
+    self.engine = engine
+    self.config = config
+    self.tokenizer = tokenizer
+    self.metrics = ServerMetrics(engine.scheduler, engine.clock, config.model_name)
+    self.loop: EngineLoop | None = None
+    self.created = int(time.time())
+    self.draining = False
+    self._drain_ends = 0.0
+
+  # Lifecycle.
+  def start(self) -> None:
+    """Starts the engine thread; call from the event loop that serves."""
+    self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), metrics=self.metrics,
+                           tokenizer=self.tokenizer)
+    self.loop.start()
+
+  def stop(self) -> None:
+    if self.loop is not None:
+      self.loop.stop()
+
+  async def drain(self) -> int:
+    """Stops admitting; lets live requests finish for up to `drain_timeout_s`, then
+    aborts the rest; returns how many were aborted."""
+    self.draining = True
+    self._drain_ends = time.monotonic() + self.config.drain_timeout_s
+    assert self.loop is not None
+    if await self.loop.wait_idle(self.config.drain_timeout_s):
+      return 0
+    return await self.loop.abort_all()
+
+  # Requests.
+  async def generate(self, gen: GenerationRequest, http: fastapi.Request) -> responses.Response:
+    """Checks, tokenizes and submits one request; answers it streamed or whole."""
+    self._check_model(gen.model)
+    if self.draining:
+      remaining = max(self._drain_ends - time.monotonic(), 1.0)
+      raise ApiError(SERVICE_UNAVAILABLE, "the server is draining: it admits no new requests",
+                     "service_unavailable_error", "draining",
+                     headers=push_back_headers(remaining, "draining"))
+    if self.loop is None or not self.loop.alive:
+      raise ApiError(500, f"the engine stopped: {self.loop and self.loop.failure}",
+                     "server_error", "engine_dead")
+    prompt_ids = self._prompt_ids(gen)
+    max_tokens = gen.max_tokens or (
+        max(1, self.config.max_model_len - len(prompt_ids)) if gen.chat
+        else DEFAULT_COMPLETION_TOKENS)
+    sampling = SamplingParams(
+        max_tokens=max_tokens, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
+        seed=gen.seed, stop_token_ids=() if gen.ignore_eos else self.config.eos_token_ids,
+        ignore_eos=gen.ignore_eos)
+    request_id = self._request_id(gen, http)
+    submission = Submission(request_id, prompt_ids, sampling, gen.priority,
+                            self._deadline(gen, http), gen.stop)
+    try:
+      answer, stream = await self.loop.submit(submission)
+    except EngineStoppedError as error:
+      raise ApiError(500, f"the engine stopped: {error}", "server_error", "engine_dead") from None
+    if stream is None:
+      raise self._refusal(answer)
+    if gen.stream:
+      return responses.StreamingResponse(
+          self._events(gen, stream), media_type="text/event-stream",
+          headers={**SSE_HEADERS, "x-request-id": request_id})
+    return await self._whole(gen, stream, http)
+
+  def _check_model(self, model: str | None) -> None:
+    if model is not None and model != self.config.model_name:
+      raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                     f"{self.config.model_name!r}", "not_found_error", "model_not_found",
+                     "model")
+
+  def _prompt_ids(self, gen: GenerationRequest) -> list[int]:
+    if gen.prompt_ids is not None:
+      return gen.prompt_ids
+    if self.tokenizer is None:
+      what = "chat messages" if gen.chat else "a text prompt"
+      raise ApiError(400, f"this server has no tokenizer (random weights from a config), so "
+                     f"it cannot read {what}; send 'prompt' as a list of token ids",
+                     code="no_tokenizer", param="messages" if gen.chat else "prompt")
+    if gen.chat:
+      try:
+        text = self.tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True,
+                                                  tokenize=False)
+      except Exception as error:  # the template's own checks (roles, order) raise
+        raise ApiError(400, f"the chat template refused the messages: {error}",
+                       code="invalid_messages", param="messages") from None
+      return list(self.tokenizer.encode(text, add_special_tokens=False))
+    return list(self.tokenizer.encode(gen.prompt_text))
+
+  @staticmethod
+  def _request_id(gen: GenerationRequest, http: fastapi.Request) -> str:
+    """The client's `x-request-id` (a retry that repeats it keeps its place in line
+    when reservations are on), else a fresh one."""
+    given = http.headers.get("x-request-id")
+    if given is not None:
+      if not 0 < len(given) <= MAX_REQUEST_ID or not given.isprintable():
+        raise protocol.invalid("x-request-id", f"the x-request-id header must be 1 to "
+                               f"{MAX_REQUEST_ID} printable characters")
+      return given
+    return f"{'chatcmpl' if gen.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+  def _deadline(self, gen: GenerationRequest, http: fastapi.Request) -> float | None:
+    if gen.max_queue_wait_s is not None:
+      return gen.max_queue_wait_s
+    header = http.headers.get("x-kvpage-max-wait-s")
+    if header is None:
+      return self.config.max_queue_wait_s
+    try:
+      value = float(header)
+    except ValueError:
+      value = math.nan
+    if not 0 < value < math.inf:
+      raise protocol.invalid("x-kvpage-max-wait-s", f"the x-kvpage-max-wait-s header must be "
+                             f"a number of seconds > 0, got {header!r}")
+    return value
+
+  def _refusal(self, answer: Admission) -> ApiError:
+    """The scheduler's no, as an HTTP error with its push-back headers."""
+    if answer.status == 400:
+      param = "prompt" if answer.cause in ("empty_prompt", "invalid_token_ids") else None
+      return ApiError(400, answer.reason, code=answer.cause, param=param)
+    status = self.config.kv_pressure_status if answer.cause == "kv_pressure" else answer.status
+    error_type = "service_unavailable_error" if status == 503 else "rate_limit_error"
+    return ApiError(status, answer.reason, error_type, answer.cause,
+                    headers=push_back_headers(answer.retry_after, answer.cause))
+
+  # Answers.
+  def _chunk(self, gen: GenerationRequest, stream: Stream, text: str | None,
+             token_ids: tuple[int, ...], finish_reason: str | None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0}
+    if gen.chat:
+      choice["delta"] = {} if text is None else {"content": text}
+    else:
+      choice["text"] = text or ""
+    choice["logprobs"] = None
+    choice["finish_reason"] = finish_reason
+    if gen.return_token_ids or self.tokenizer is None:
+      choice["token_ids"] = list(token_ids)
+    return {"id": stream.request_id,
+            "object": "chat.completion.chunk" if gen.chat else "text_completion",
+            "created": self.created, "model": self.config.model_name, "choices": [choice]}
+
+  def _usage(self, stream: Stream, last: Delta) -> dict[str, int]:
+    return {"prompt_tokens": stream.num_prompt_tokens,
+            "completion_tokens": last.num_output_tokens,
+            "total_tokens": stream.num_prompt_tokens + last.num_output_tokens}
+
+  def _status_chunk(self, gen: GenerationRequest, stream: Stream,
+                    status: QueueStatus) -> dict[str, Any]:
+    return {"id": stream.request_id,
+            "object": "chat.completion.chunk" if gen.chat else "text_completion",
+            "created": self.created, "model": self.config.model_name, "choices": [],
+            "status": {"state": status.state, "position": status.position,
+                       "waited_s": round(status.waited_s, 3), "eta_s": round(status.eta_s, 3)}}
+
+  def _ended_error(self, last: Delta) -> ApiError:
+    if last.finish_reason == "deadline":
+      return ApiError(429, "the request's max_queue_wait_s passed before it was scheduled",
+                      "rate_limit_error", "wait_deadline")
+    return ApiError(500, f"the engine stopped: {self.loop and self.loop.failure}",
+                    "server_error", "engine_dead")
+
+  async def _events(self, gen: GenerationRequest, stream: Stream) -> AsyncIterator[bytes]:
+    """The SSE stream of one admitted request; aborts it if the client goes away."""
+    assert self.loop is not None
+    ended, getter = False, None
+    state, told_waiting = "queueing", False
+    try:
+      if gen.chat:
+        yield _sse(self._chunk(gen, stream, "", (), None) | {
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}]})
+      while True:
+        if state == "running" and getter is None:
+          delta = await stream.deltas.get()
+        else:  # waiting: a status line whenever nothing came for an interval
+          getter = getter or asyncio.ensure_future(stream.deltas.get())
+          done, _ = await asyncio.wait({getter}, timeout=self.config.status_interval_s)
+          if not done:
+            status = await self.loop.status(stream.request_id)
+            if status is not None and status.state != "running":
+              told_waiting = True
+              yield (_sse(self._status_chunk(gen, stream, status)) if gen.include_status
+                     else _comment(status))
+            continue
+          delta, getter = getter.result(), None
+        if delta.preempted:
+          state = "preempted"
+          continue
+        if told_waiting and gen.include_status and delta.finish_reason is None:
+          # The stream said it waits; now it says it runs (once per wait).
+          yield _sse(self._status_chunk(gen, stream, QueueStatus("running", 0, 0.0, 0.0)))
+        state, told_waiting = "running", False
+        if delta.finish_reason in ("deadline", "error"):
+          ended = True
+          yield _sse(self._ended_error(delta).body())
+          yield b"data: [DONE]\n\n"
+          return
+        if delta.text or (delta.token_ids and self._shows_tokens(gen)):
+          yield _sse(self._chunk(gen, stream, delta.text, delta.token_ids, None))
+        if delta.finish_reason is not None:
+          ended = True
+          yield _sse(self._chunk(gen, stream, None, (), delta.finish_reason))
+          if gen.include_usage:
+            yield _sse(self._chunk(gen, stream, None, (), None) | {
+                "choices": [], "usage": self._usage(stream, delta)})
+          yield b"data: [DONE]\n\n"
+          return
+    finally:
+      if getter is not None:
+        getter.cancel()
+      if not ended:  # the client went away (or the server is shutting down)
+        self.loop.abort(stream.request_id)
+
+  def _shows_tokens(self, gen: GenerationRequest) -> bool:
+    return gen.return_token_ids or self.tokenizer is None
+
+  async def _whole(self, gen: GenerationRequest, stream: Stream,
+                   http: fastapi.Request) -> responses.Response:
+    """A request answered in one body, once it ends; aborted if the client goes away."""
+    assert self.loop is not None
+    gone = asyncio.ensure_future(_disconnected(http))
+    try:
+      await asyncio.wait({stream.done, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+      gone.cancel()
+    if not stream.done.done():
+      self.loop.abort(stream.request_id)
+      return responses.Response(status_code=499)  # nobody is listening any more
+    deltas = []
+    while not stream.deltas.empty():
+      deltas.append(stream.deltas.get_nowait())
+    last = stream.done.result()
+    if last.finish_reason in ("deadline", "error"):
+      raise self._ended_error(last)
+    text = "".join(delta.text for delta in deltas)
+    token_ids = [token for delta in deltas for token in delta.token_ids]
+    choice: dict[str, Any] = {"index": 0}
+    if gen.chat:
+      choice["message"] = {"role": "assistant", "content": text}
+    else:
+      choice["text"] = text
+    choice |= {"logprobs": None, "finish_reason": last.finish_reason}
+    if self._shows_tokens(gen):
+      choice["token_ids"] = token_ids
+    return responses.JSONResponse({
+        "id": stream.request_id, "object": "chat.completion" if gen.chat else "text_completion",
+        "created": self.created, "model": self.config.model_name, "choices": [choice],
+        "usage": self._usage(stream, last)})
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+  return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _comment(status: QueueStatus) -> bytes:
+  return (f": {status.state} position={status.position} waited_s={status.waited_s:.1f} "
+          f"eta_s={status.eta_s:.1f}\n\n").encode()
+
+
+async def _disconnected(http: fastapi.Request) -> None:
+  """Returns when the client disconnects (the body was read already)."""
+  while (await http.receive())["type"] != "http.disconnect":
+    pass
+
+
+async def _json_body(http: fastapi.Request) -> Any:
+  raw = await http.body()
+  try:
+    return json.loads(raw)
+  except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    raise ApiError(400, f"the request body is not valid JSON: {error}",
+                   code="invalid_json") from None
+
+
+def make_app(gateway: Gateway) -> fastapi.FastAPI:
+  """The FastAPI application serving `gateway`; its lifespan runs the engine thread."""
+
+  @contextlib.asynccontextmanager
+  async def lifespan(app: fastapi.FastAPI) -> AsyncIterator[None]:
+    del app
+    gateway.start()
+    try:
+      yield
+    finally:
+      gateway.stop()
+
+  app = fastapi.FastAPI(title="kvpage", lifespan=lifespan, docs_url=None, redoc_url=None,
+                        openapi_url=None)
+
+  @app.exception_handler(ApiError)
+  async def api_error(request: fastapi.Request, error: ApiError) -> responses.JSONResponse:
+    del request
+    gateway.metrics.rejected(error.status)
+    return responses.JSONResponse(error.body(), error.status, headers=error.headers)
+
+  @app.exception_handler(StarletteHTTPException)
+  async def http_error(request: fastapi.Request,
+                       error: StarletteHTTPException) -> responses.JSONResponse:
+    del request
+    error_type = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    return responses.JSONResponse(protocol.error_body(str(error.detail), error_type),
+                                  error.status_code, headers=error.headers)
+
+  @app.exception_handler(Exception)
+  async def internal_error(request: fastapi.Request, error: Exception) -> responses.JSONResponse:
+    del request
+    return responses.JSONResponse(protocol.error_body(
+        f"internal error ({type(error).__name__}: {error}); this is a kvpage defect",
+        "server_error"), 500)
+
+  @app.post("/v1/completions")
+  async def completions(http: fastapi.Request) -> responses.Response:
+    return await gateway.generate(protocol.parse_completion(await _json_body(http)), http)
+
+  @app.post("/v1/chat/completions")
+  async def chat_completions(http: fastapi.Request) -> responses.Response:
+    return await gateway.generate(protocol.parse_chat(await _json_body(http)), http)
+
+  @app.get("/v1/models")
+  async def models() -> dict[str, Any]:
+    return {"object": "list", "data": [{
+        "id": gateway.config.model_name, "object": "model", "created": gateway.created,
+        "owned_by": "kvpage", "max_model_len": gateway.config.max_model_len}]}
+
+  @app.get("/health")
+  async def health() -> responses.JSONResponse:
+    if gateway.loop is None or not gateway.loop.alive:
+      failure = gateway.loop.failure if gateway.loop is not None else "not started"
+      return responses.JSONResponse({"status": "error", "detail": failure}, 503)
+    if gateway.draining:
+      return responses.JSONResponse({"status": "draining"}, 503)
+    return responses.JSONResponse({"status": "ok"})
+
+  @app.get("/metrics")
+  async def metrics() -> responses.Response:
+    return responses.Response(gateway.metrics.render(),
+                              media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+  return app

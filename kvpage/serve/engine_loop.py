@@ -1,0 +1,339 @@
+"""One thread owns the engine; asyncio handlers talk to it through thread-safe queues.
+
+The engine is not thread-safe and need not be: every call into it happens on the
+engine thread. The asyncio side sends *commands* (admit a request, abort one, ask for
+a queued request's status) through an inbox, and each command runs between two
+steps, so admission — the check, and the request's joining of the admitted backlog —
+is one atomic step of the scheduler before any response starts. A burst of arrivals
+is checked one after another, each against the backlog the previous ones joined.
+
+The thread steps while any request is live and blocks on the inbox otherwise (no
+polling). After each step it turns every request's new tokens into text
+(`kvpage.serve.detokenize`), matches stop strings — a match ends the request at once,
+with finish reason "stop", so no token past it is computed — and hands the deltas of
+the whole step to the event loop in one `call_soon_threadsafe`. Device work releases
+the GIL, so the event loop serves HTTP while a step runs.
+
+A defect in the engine must not hang clients: if a step raises, every live stream
+ends with an error, and the loop refuses new work (`/health` turns 503).
+"""
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpage.host.admission import Admission
+from kvpage.host.engine import Engine, RequestOutput
+from kvpage.host.request import Request, RequestStatus, SamplingParams
+from kvpage.serve.detokenize import IncrementalDetokenizer, StopStrings, Tokenizer
+from kvpage.serve.metrics import FINISH_REASONS, ServerMetrics
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.005  # an engine with live requests but nothing to launch waits this long
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+  """What the HTTP layer asks the engine to run."""
+
+  request_id: str
+  prompt_ids: list[int]
+  sampling: SamplingParams
+  priority: int = 0
+  max_queue_wait_s: float | None = None
+  stop: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+  """One step's news for one request: new text and tokens, or how it ended.
+
+  `finish_reason` is set on the last delta: OpenAI's "stop", "length" or "abort", or
+  "deadline" when its wait deadline passed before it ran (an error for the client).
+  """
+
+  text: str = ""
+  token_ids: tuple[int, ...] = ()
+  finish_reason: str | None = None
+  preempted: bool = False
+  num_output_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class QueueStatus:
+  """Where a live request stands: `state` is "queueing" (never scheduled), "preempted"
+  (sent back to wait, or swapped out) or "running"; `position` counts from 1 (next)."""
+
+  state: str
+  position: int
+  waited_s: float
+  eta_s: float
+
+
+class Stream:
+  """The asyncio side of one admitted request: its deltas, in order, and its end."""
+
+  def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+    self.request = request
+    self.request_id = request.request_id
+    self.num_prompt_tokens = request.num_prompt_tokens
+    self.deltas: asyncio.Queue[Delta] = asyncio.Queue()
+    self.done = loop.create_future()  # resolved with the last delta
+
+  def _deliver(self, delta: Delta) -> None:  # on the event loop
+    self.deltas.put_nowait(delta)
+    if delta.finish_reason is not None and not self.done.done():
+      self.done.set_result(delta)
+
+
+@dataclasses.dataclass
+class _Tracked:
+  """Engine-thread state of one live request."""
+
+  request: Request
+  stream: Stream
+  detokenizer: IncrementalDetokenizer | None
+  stops: StopStrings
+
+
+class EngineStoppedError(RuntimeError):
+  """The engine thread stopped on a defect; the server cannot run requests."""
+
+
+class EngineLoop:
+  """Runs `engine` on its own thread; the coroutines below are its asyncio face."""
+
+  def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop, *,
+               metrics: ServerMetrics, tokenizer: Tokenizer | None = None):
+    self.engine = engine
+    self.loop = loop
+    self.metrics = metrics
+    self.tokenizer = tokenizer
+    engine.on_step = self._on_step
+    self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+    self._tracked: dict[str, _Tracked] = {}
+    self._preempted: list[str] = []  # ids preempted by the step just run
+    self._idle_waiters: list[concurrent.futures.Future] = []
+    self._stopping = False
+    self.failure: str | None = None  # the defect that stopped the thread
+    self._thread = threading.Thread(target=self._run, name="kvpage-engine", daemon=True)
+
+  # The asyncio side.
+  def start(self) -> None:
+    self._thread.start()
+
+  @property
+  def alive(self) -> bool:
+    return self._thread.is_alive() and self.failure is None
+
+  async def submit(self, submission: Submission) -> tuple[Admission, Stream | None]:
+    """Admits or refuses; an admitted request's deltas flow into the returned stream."""
+    return await self._call(lambda: self._add(submission))
+
+  def abort(self, request_id: str, reason: str = "aborted") -> None:
+    """Ends a live request (a client gone); its pages are free before the next step."""
+    self._send(lambda: self._abort(request_id, reason))
+
+  async def status(self, request_id: str) -> QueueStatus | None:
+    """Where a live request stands; None once it has ended."""
+    return await self._call(lambda: self._status(request_id))
+
+  async def wait_idle(self, timeout_s: float) -> bool:
+    """Waits until no request is live; False if `timeout_s` passed first."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._send(lambda: self._notify_when_idle(future))
+    try:
+      await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
+      return True
+    except asyncio.TimeoutError:
+      return False
+
+  async def abort_all(self) -> int:
+    """Ends every live request with "abort"; returns how many."""
+    return await self._call(self._abort_all)
+
+  def stop(self) -> None:
+    """Ends the thread once the commands sent before are done."""
+    self._send(self._request_stop)
+    self._thread.join()
+
+  async def _call(self, function: Callable[[], Any]) -> Any:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def command() -> None:
+      try:
+        future.set_result(function())
+      except BaseException as error:  # handed to the awaiting handler
+        future.set_exception(error)
+
+    self._send(command)
+    return await asyncio.wrap_future(future)
+
+  def _send(self, command: Callable[[], None]) -> None:
+    if self.failure is not None:
+      raise EngineStoppedError(self.failure)
+    self._inbox.put(command)
+
+  # The engine thread.
+  def _run(self) -> None:
+    try:
+      while not self._stopping:
+        self._run_commands(block=not self.engine.has_unfinished())
+        if self._stopping or not self.engine.has_unfinished():
+          continue
+        outputs = self.engine.step()
+        self._dispatch(outputs)
+        if self.engine.idle_steps:  # live requests, nothing to launch: don't spin
+          self._run_commands(block=True, timeout_s=IDLE_WAIT_S)
+    except BaseException as error:  # a defect: end every stream, refuse new work
+      self.failure = f"{type(error).__name__}: {error}"
+      log.error("engine thread stopped:\n%s", traceback.format_exc())
+      self._fail_all()
+
+  def _run_commands(self, *, block: bool, timeout_s: float | None = None) -> None:
+    try:
+      command = self._inbox.get(timeout=timeout_s) if block else self._inbox.get_nowait()
+    except queue.Empty:
+      return
+    while True:
+      command()
+      try:
+        command = self._inbox.get_nowait()
+      except queue.Empty:
+        return
+
+  def _request_stop(self) -> None:
+    self._stopping = True
+
+  def _on_step(self, output: Any, new_tokens: dict[str, list[int]],
+               finished: list[Request]) -> None:
+    self.metrics.on_step(output, new_tokens, finished)
+    self._preempted.extend(p.request_id for p in output.preempted if p.mode != "abort")
+
+  def _add(self, submission: Submission) -> tuple[Admission, Stream | None]:
+    request, answer = self.engine.add_request(
+        submission.prompt_ids, submission.sampling, request_id=submission.request_id,
+        priority=submission.priority, max_queue_wait_s=submission.max_queue_wait_s)
+    if not answer.admitted:  # counted as a rejection where it is answered, in the app
+      return answer, None
+    self.metrics.recorder.track(request)
+    detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+                   if self.tokenizer is not None else None)
+    stream = Stream(request, self.loop)
+    self._tracked[request.request_id] = _Tracked(request, stream, detokenizer,
+                                                 StopStrings(submission.stop))
+    return answer, stream
+
+  def _abort(self, request_id: str, reason: str) -> None:
+    tracked = self._tracked.get(request_id)
+    if tracked is not None and self.engine.abort(request_id, reason):
+      self._end(tracked, [], FINISH_REASONS[reason])
+      self._notify_idle()
+
+  def _abort_all(self) -> int:
+    ids = list(self._tracked)
+    for request_id in ids:
+      self._abort(request_id, "aborted")
+    return len(ids)
+
+  def _status(self, request_id: str) -> QueueStatus | None:
+    tracked = self._tracked.get(request_id)
+    if tracked is None:
+      return None
+    request, scheduler = tracked.request, self.engine.scheduler
+    now = scheduler.clock()
+    if request.status is RequestStatus.RUNNING:
+      return QueueStatus("running", 0, 0.0, 0.0)
+    if request.status is RequestStatus.SWAPPED:
+      position = scheduler.swapped.index(request) + 1
+    else:
+      position = scheduler.num_swapped + scheduler.waiting.index(request) + 1
+    since = next((e.time for e in reversed(request.events)
+                  if e.kind in ("preempted", "admitted")), request.arrival_time)
+    state = "preempted" if request.num_preemptions else "queueing"
+    eta = scheduler.eta(request_id)
+    return QueueStatus(state, position, now - since, 0.0 if eta is None else eta)
+
+  def _notify_when_idle(self, future: concurrent.futures.Future) -> None:
+    self._idle_waiters.append(future)
+    self._notify_idle()
+
+  def _notify_idle(self) -> None:
+    if not self._tracked and not self.engine.has_unfinished():
+      for future in self._idle_waiters:
+        future.set_result(True)
+      self._idle_waiters = []
+
+  def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+    """Turns one step's outputs into deltas, delivered to the event loop in one call."""
+    deliveries = []
+    for request_id in self._preempted:
+      tracked = self._tracked.get(request_id)
+      if tracked is not None:
+        deliveries.append((tracked.stream, Delta(preempted=True)))
+    self._preempted = []
+    for output in outputs:
+      tracked = self._tracked.get(output.request_id)
+      # An id no longer tracked ended by the gateway's hand (a stop string, an abort).
+      if tracked is None or tracked.request.request_id != output.request_id:
+        continue
+      delta = self._advance(tracked, output)
+      if delta is not None:
+        deliveries.append((tracked.stream, delta))
+    if deliveries:
+      self.loop.call_soon_threadsafe(_deliver_all, deliveries)
+    self._notify_idle()
+
+  def _advance(self, tracked: _Tracked, output: RequestOutput) -> Delta | None:
+    """The delta of one request's output; ends it here on a stop string."""
+    text = ""
+    if tracked.detokenizer is not None and output.new_token_ids:
+      text = tracked.stops.push(tracked.detokenizer.push(output.new_token_ids))
+    if tracked.stops.stopped:  # matched: end now, before another token is computed
+      if not output.finished:
+        self.engine.abort(output.request_id, "stop")
+      return self._end(tracked, output.new_token_ids, "stop", text, deliver=False)
+    if output.finished:
+      reason = output.finish_reason or "aborted"
+      # A passed deadline is an error for the client, not one of OpenAI's reasons.
+      reason = reason if reason == "deadline" else FINISH_REASONS.get(reason, "abort")
+      return self._end(tracked, output.new_token_ids, reason, text, deliver=False)
+    if not text and not output.new_token_ids:
+      return None
+    return Delta(text, tuple(output.new_token_ids),
+                 num_output_tokens=tracked.request.num_output_tokens)
+
+  def _end(self, tracked: _Tracked, token_ids: Sequence[int], finish_reason: str,
+           text: str = "", *, deliver: bool = True) -> Delta:
+    """The last delta of a request: held-back text flushed, metrics read, forgotten."""
+    del self._tracked[tracked.request.request_id]
+    if tracked.detokenizer is not None and not tracked.stops.stopped:
+      text += tracked.stops.push(tracked.detokenizer.flush())
+      text += tracked.stops.flush()
+    self.metrics.ended(tracked.request)
+    delta = Delta(text, tuple(token_ids), finish_reason,
+                  num_output_tokens=tracked.request.num_output_tokens)
+    if deliver:
+      self.loop.call_soon_threadsafe(tracked.stream._deliver, delta)
+    return delta
+
+  def _fail_all(self) -> None:
+    deliveries = [(tracked.stream, Delta(finish_reason="error"))
+                  for tracked in self._tracked.values()]
+    self._tracked = {}
+    if deliveries:
+      self.loop.call_soon_threadsafe(_deliver_all, deliveries)
+    for future in self._idle_waiters:
+      future.set_result(False)
+
+
+def _deliver_all(deliveries: list[tuple[Stream, Delta]]) -> None:
+  for stream, delta in deliveries:
+    stream._deliver(delta)

@@ -1,0 +1,117 @@
+"""`/metrics`: the server's figures in Prometheus text, named like vLLM's (`kvpage:`).
+
+Every per-request figure comes from `kvpage.sim.metrics.MetricsRecorder`, the recorder
+`serve_bench` uses, so a TTFT here and a TTFT in a serve_bench summary are the same
+definition (arrival at the scheduler to the step that sampled the first token). The
+recorder runs without history: a request's row is read once, when it ends, and
+forgotten. Gauges are set after every step from the scheduler's own counters.
+
+Counted as a rejection (`request_rejections_total{code}`): every request answered with
+an error status before its response started — the scheduler's 400/429/503 and the
+gateway's own (malformed bodies, unknown models, draining).
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import prometheus_client as prom
+
+from kvpage.host.request import Request
+from kvpage.sim.metrics import MetricsRecorder
+
+# Latency buckets (seconds), vLLM's ranges: TTFT and queue time from 1 ms, token gaps
+# from 10 ms, end to end from 0.3 s.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0)
+
+# The scheduler's finish reasons as a client sees them (OpenAI's three).
+FINISH_REASONS = {"length": "length", "stop": "stop", "aborted": "abort", "preempted": "abort",
+                  "deadline": "abort"}
+
+
+class ServerMetrics:
+  """A private Prometheus registry fed by the engine thread and the HTTP layer."""
+
+  def __init__(self, scheduler: Any, clock: Callable[[], float], model_name: str):
+    self.scheduler = scheduler
+    self.recorder = MetricsRecorder(scheduler, clock, history=False)
+    prom.disable_created_metrics()  # no `_created` twin of every series (vLLM's choice too)
+    self.registry = prom.CollectorRegistry()
+    labels = ("model_name",)
+    self._model = model_name
+
+    def gauge(name: str, doc: str) -> prom.Gauge:
+      return prom.Gauge(f"kvpage:{name}", doc, labels, registry=self.registry)
+
+    def counter(name: str, doc: str, *extra: str) -> prom.Counter:
+      return prom.Counter(f"kvpage:{name}", doc, (*labels, *extra), registry=self.registry)
+
+    def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> prom.Histogram:
+      return prom.Histogram(f"kvpage:{name}", doc, labels, buckets=buckets,
+                            registry=self.registry)
+
+    self.running = gauge("num_requests_running", "Requests holding device pages.")
+    self.waiting = gauge("num_requests_waiting", "Admitted requests waiting for a step.")
+    self.swapped = gauge("num_requests_swapped", "Requests swapped out to host pages.")
+    self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of usable KV pages in use (0-1).")
+    self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of ended requests.")
+    self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
+    self.rejections = counter("request_rejections_total",
+                              "Requests answered with an error status before they started.",
+                              "code")
+    self.preemptions = counter("num_preemptions_total", "Preemptions, by mode.", "mode")
+    self.successes = counter("request_success_total", "Ended requests, by finish reason.",
+                             "finish_reason")
+    self.ttft = histogram("time_to_first_token_seconds", "Arrival to first token.",
+                          TTFT_BUCKETS)
+    self.itl = histogram("inter_token_latency_seconds", "Gap between output tokens.",
+                         ITL_BUCKETS)
+    self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the end.", E2E_BUCKETS)
+    self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                                TTFT_BUCKETS)
+    self.set_gauges()
+
+  def set_gauges(self) -> None:
+    stats = self.scheduler.stats()
+    self.running.labels(self._model).set(stats["num_running"])
+    self.waiting.labels(self._model).set(stats["num_waiting"])
+    self.swapped.labels(self._model).set(stats["num_swapped"])
+    self.kv_usage.labels(self._model).set(stats["kv_usage"])
+
+  # Fed by the engine thread.
+  def on_step(self, output: Any, new_tokens: dict[str, list[int]],
+              finished: list[Request]) -> None:
+    """`Engine(on_step=...)`: token and preemption counts, then the gauges."""
+    row = self.recorder.on_step(output, new_tokens, finished)
+    if row["generated_tokens"]:
+      self.generation_tokens.labels(self._model).inc(row["generated_tokens"])
+    for mode, count in row["preemptions"].items():
+      if count:
+        self.preemptions.labels(self._model, mode).inc(count)
+    self.set_gauges()
+
+  def ended(self, request: Request) -> None:
+    """A request ended (any reason): its latencies, from the recorder's row."""
+    row = self.recorder.finish(request)
+    model = self._model
+    self.prompt_tokens.labels(model).inc(row["prompt_tokens"])
+    reason = FINISH_REASONS.get(str(row["finish_reason"]), "abort")
+    self.successes.labels(model, reason).inc()
+    for name, histogram in (("ttft_s", self.ttft), ("queue_wait_s", self.queue_time),
+                            ("e2e_s", self.e2e)):
+      if row[name] is not None:
+        histogram.labels(model).observe(row[name])
+    for gap in row["itl_s"]:
+      self.itl.labels(model).observe(gap)
+
+  # Fed by either side.
+  def rejected(self, status: int) -> None:
+    self.rejections.labels(self._model, str(status)).inc()
+
+  def render(self) -> bytes:
+    """The Prometheus text exposition of every figure."""
+    return prom.generate_latest(self.registry)

@@ -1,0 +1,366 @@
+"""The streaming gateway as a client sees it: a real server process on 127.0.0.1.
+
+One server (a tiny checkpoint with a real tokenizer, a small KV pool) serves the module:
+the official `openai` client on both endpoints, streamed against whole answers and
+against `experiments/generate.py`; an overload of 64 concurrent streams answered with
+429/503 and retry hints the client honours; queueing statuses; a disconnect; malformed
+bodies; stop strings. A second process, random weights, is drained with SIGTERM.
+"""
+
+import asyncio
+import json
+import pathlib
+import signal
+import threading
+import time
+
+import pytest
+from serve_utils import ServerProcess, make_served_checkpoint, metric
+
+from experiments import cli, generate
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 24  # per overload request
+NUM_STREAMS = 64
+# 47 usable pages of 16 tokens: a request of ~10 prompt + 24 output tokens estimates 3
+# pages, so about a dozen fit above the 15% watermark at once; 64 at once cannot.
+SERVER_FLAGS = ("--num_pages=48", "--max_num_seqs=8", "--max_num_batched_tokens=128",
+                "--chunk_size=64", "--max_waiting=24", "--status_interval_s=0.2",
+                "--warmup_sampling=false", "--drain_timeout_s=5")
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> pathlib.Path:
+  return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> pathlib.Path:
+  return make_served_checkpoint(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, cache_dir):
+  process = ServerProcess(f"--checkpoint={checkpoint}", "--served_model_name=tiny-served",
+                          *SERVER_FLAGS, cache_dir=cache_dir)
+  yield process
+  assert process.stop() == 0, "".join(process.stderr)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(checkpoint):
+  return transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+
+
+def _client(server, **kwargs) -> "openai.OpenAI":
+  return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", **kwargs)
+
+
+def _metrics(server) -> str:
+  return httpx.get(f"{server.url}/metrics").text
+
+
+def _wait_until_idle(server, timeout_s: float = 30.0) -> str:
+  """The metrics text once nothing runs, waits or holds a page (polled: a test's check)."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    text = _metrics(server)
+    busy = sum(metric(text, f"kvpage:num_requests_{name}") for name in
+               ("running", "waiting", "swapped")) + metric(text, "kvpage:kv_cache_usage_perc")
+    if busy == 0 or time.monotonic() > deadline:
+      return text
+    time.sleep(0.05)
+
+
+def test_the_openai_client_completes_and_streams_both_endpoints(server, tokenizer, checkpoint,
+                                                                capsys):
+  client = _client(server)
+  (model,) = [m.id for m in client.models.list().data]
+  assert model == "tiny-served"
+  whole = client.completions.create(model=model, prompt="The cache holds", max_tokens=12,
+                                    temperature=0, extra_body={"ignore_eos": True})
+  streamed = list(client.completions.create(
+      model=model, prompt="The cache holds", max_tokens=12, temperature=0, stream=True,
+      stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+  text = "".join(chunk.choices[0].text for chunk in streamed if chunk.choices)
+  assert whole.choices[0].text and text == whole.choices[0].text
+  assert whole.choices[0].finish_reason == "length"
+  assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+  prompt_ids = tokenizer.encode("The cache holds")
+  assert whole.usage.prompt_tokens == len(prompt_ids) and whole.usage.completion_tokens == 12
+  assert streamed[-1].usage.completion_tokens == 12 and not streamed[-1].choices
+
+  # The same tokens as experiments/generate.py, whose text is their decoding.
+  with_ids = client.completions.create(model=model, prompt=prompt_ids, max_tokens=12,
+                                       temperature=0,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+  rc = cli.invoke(generate.main, ["generate", f"--checkpoint={checkpoint}",
+                                  f"--prompt_ids={','.join(map(str, prompt_ids))}",
+                                  "--max_new_tokens=12"])
+  assert rc == 0
+  generated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["output_ids"]
+  assert with_ids.choices[0].model_extra["token_ids"] == generated
+  assert tokenizer.decode(generated) == whole.choices[0].text == with_ids.choices[0].text
+
+  messages = [{"role": "user", "content": "Tell me a story about a cat"}]
+  chat = client.chat.completions.create(model=model, messages=messages, max_tokens=10,
+                                        temperature=0, extra_body={"ignore_eos": True})
+  chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=10,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}))
+  assert chunks[0].choices[0].delta.role == "assistant"
+  chat_text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+  assert chat.choices[0].message.content and chat_text == chat.choices[0].message.content
+  assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 10
+  templated = tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                            tokenize=False)
+  assert chat.usage.prompt_tokens == len(tokenizer.encode(templated, add_special_tokens=False))
+
+
+def test_stop_strings_end_the_text_before_them(server):
+  client = _client(server)
+  full = client.completions.create(model="tiny-served", prompt="Once upon a time",
+                                   max_tokens=16, temperature=0,
+                                   extra_body={"ignore_eos": True}).choices[0].text
+  stop = full[len(full) // 2:len(full) // 2 + 3]
+  assert len(stop) == 3, full
+  cut = full[:full.index(stop)]
+  for stream in (False, True):
+    answer = client.completions.create(model="tiny-served", prompt="Once upon a time",
+                                       max_tokens=16, temperature=0, stop=[stop],
+                                       stream=stream, extra_body={"ignore_eos": True})
+    chunks = list(answer) if stream else [answer]
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == cut
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
+def _post(server, body, **headers) -> httpx.Response:
+  return httpx.post(f"{server.url}/v1/completions", content=body if isinstance(body, bytes)
+                    else json.dumps(body), headers=headers, timeout=30)
+
+
+@pytest.mark.parametrize(("body", "status", "code"), [
+    (b"{not json", 400, "invalid_json"),
+    (b"[1, 2]", 400, "invalid_body"),
+    ({"prompt": "hi", "max_tokens": "many"}, 400, "invalid_value"),
+    ({"prompt": "hi", "max_tokens": -3}, 400, "invalid_value"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "invalid_value"),
+    ({"prompt": "hi", "n": 3}, 400, "unsupported_option"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "unsupported_option"),
+    ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "unsupported_option"),
+    ({"prompt": [1, 2, 999999]}, 400, "invalid_token_ids"),
+    ({"prompt": [1] * 600, "max_tokens": 8}, 400, "context_length_exceeded"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model_not_found"),
+])
+def test_malformed_requests_get_openai_shaped_errors(server, body, status, code):
+  response = _post(server, body)
+  assert response.status_code == status, response.text
+  error = response.json()["error"]
+  assert error["code"] == code and error["message"] and error["type"]
+
+
+def test_the_server_keeps_serving_after_bad_input(server):
+  assert _post(server, b"\xff\xfe").status_code == 400
+  assert httpx.get(f"{server.url}/v1/nowhere").json()["error"]["type"] == "not_found_error"
+  response = _post(server, {"prompt": "still here", "max_tokens": 3, "ignore_eos": True,
+                            "temperature": 0.7, "seed": 3})  # sampled: compiled on demand
+  assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+  assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_a_disconnect_mid_stream_frees_the_pages(server):
+  before = _wait_until_idle(server)
+  body = {"prompt": "A long story", "max_tokens": 400, "ignore_eos": True, "stream": True,
+          "temperature": 0}
+  with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+    lines = response.iter_lines()
+    assert sum(1 for _, line in zip(range(6), lines) if line.startswith("data: ")) >= 3
+    assert metric(_metrics(server), "kvpage:kv_cache_usage_perc") > 0
+  after = _wait_until_idle(server)
+  assert metric(after, "kvpage:kv_cache_usage_perc") == 0
+  assert metric(after, "kvpage:num_requests_running") == 0
+  aborted = "kvpage:request_success_total"
+  assert (metric(after, aborted, finish_reason="abort")
+          == metric(before, aborted, finish_reason="abort") + 1)
+
+
+class _Attempts:
+  """Every HTTP attempt the openai client makes, by request (our x-request-id)."""
+
+  def __init__(self):
+    self.by_request: dict[str, list[tuple[int, dict[str, str]]]] = {}
+
+  async def hook(self, response) -> None:
+    request_id = response.request.headers.get("x-request-id")
+    self.by_request.setdefault(request_id, []).append(
+        (response.status_code, dict(response.headers)))
+
+
+async def _overload(server) -> tuple[dict, _Attempts]:
+  attempts = _Attempts()
+  http_client = openai.DefaultAsyncHttpxClient(event_hooks={"response": [attempts.hook]})
+  client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=8,
+                              http_client=http_client)
+  outcomes: dict[str, object] = {}
+
+  async def one(index: int) -> None:
+    request_id = f"load-{index}"
+    try:
+      stream = await client.completions.create(
+          model="tiny-served", prompt=f"Request number {index} asks for a story",
+          max_tokens=MAX_TOKENS, temperature=0, stream=True,
+          stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+          extra_headers={"x-request-id": request_id})
+      chunks = [chunk async for chunk in stream]
+      outcomes[request_id] = chunks
+    except openai.APIStatusError as error:
+      outcomes[request_id] = error
+
+  start = time.monotonic()
+  await asyncio.gather(*(one(i) for i in range(NUM_STREAMS)))
+  await client.close()
+  outcomes["_wall_s"] = time.monotonic() - start
+  return outcomes, attempts
+
+
+def test_overload_pushes_back_with_hints_the_client_honours(server, capsys):
+  before = _wait_until_idle(server)
+  outcomes, attempts = asyncio.run(_overload(server))
+  wall = outcomes.pop("_wall_s")
+  rejected_statuses = [status for tries in attempts.by_request.values()
+                       for status, _ in tries if status != 200]
+  assert rejected_statuses and set(rejected_statuses) <= {429, 503}
+  for tries in attempts.by_request.values():
+    for status, headers in tries:
+      if status != 200:
+        assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) >= 1
+        assert int(headers["retry-after-ms"]) <= 120_000 and headers["x-should-retry"] == "true"
+        assert headers["x-kvpage-reject-reason"] in ("kv_pressure", "queue_full")
+
+  pushed_back = [rid for rid, tries in attempts.by_request.items()
+                 if rid and any(status != 200 for status, _ in tries)]
+  served_after = [rid for rid in pushed_back if isinstance(outcomes[rid], list)]
+  fraction = len(served_after) / len(pushed_back)
+  waited = sum(int(headers["retry-after-ms"]) for rid in pushed_back
+               for status, headers in attempts.by_request[rid] if status != 200) / 1000
+  with capsys.disabled():
+    print(f"\noverload: {len(pushed_back)} of {NUM_STREAMS} streams pushed back "
+          f"({len(rejected_statuses)} rejections: {rejected_statuses.count(503)}x503, "
+          f"{rejected_statuses.count(429)}x429); {fraction:.0%} served within the client's "
+          f"retries, {waited:.1f} s of hinted waits in all; wall {wall:.1f} s")
+  assert fraction >= 0.8
+
+  # Every admitted request finished with its whole output.
+  served = [chunks for chunks in outcomes.values() if isinstance(chunks, list)]
+  for chunks in served:
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+  # /metrics counts what the clients saw, and the cache is empty at the end.
+  after = _wait_until_idle(server)
+  for code in (429, 503):
+    seen = rejected_statuses.count(code)
+    counted = (metric(after, "kvpage:request_rejections_total", code=str(code))
+               - metric(before, "kvpage:request_rejections_total", code=str(code)))
+    assert counted == seen, code
+  successes = (metric(after, "kvpage:request_success_total", finish_reason="length")
+               - metric(before, "kvpage:request_success_total", finish_reason="length"))
+  assert successes == len(served) == NUM_STREAMS - sum(
+      isinstance(outcome, Exception) for outcome in outcomes.values())
+  generated = (metric(after, "kvpage:generation_tokens_total")
+               - metric(before, "kvpage:generation_tokens_total"))
+  assert generated == MAX_TOKENS * len(served)
+  assert metric(after, "kvpage:kv_cache_usage_perc") == 0
+  assert metric(after, "kvpage:num_requests_running") == 0
+
+
+async def _watch(server, index: int, include_status: bool) -> dict:
+  """A stream read by hand, to see the comments and status chunks the client hides."""
+  body = {"model": "tiny-served", "prompt": f"Watcher {index} waits", "max_tokens": 8,
+          "ignore_eos": True, "stream": True, "temperature": 0,
+          "stream_options": {"include_status": include_status}}
+  seen = {"comments": [], "statuses": [], "status": None, "text": ""}
+  async with httpx.AsyncClient(timeout=120) as client, client.stream(
+      "POST", f"{server.url}/v1/completions", json=body) as response:
+    seen["status"] = response.status_code
+    async for line in response.aiter_lines():
+      if line.startswith(":"):
+        seen["comments"].append(line)
+      elif line.startswith("data: {"):
+        chunk = json.loads(line[6:])
+        if "status" in chunk:
+          seen["statuses"].append(chunk["status"])
+        elif chunk["choices"]:
+          seen["text"] += chunk["choices"][0]["text"]
+  return seen
+
+
+async def _queue_behind_a_full_batch(server) -> list[dict]:
+  # Eight streams fill every running slot (--max_num_seqs=8) for ~50 steps; the two
+  # watchers admitted behind them wait, told so every --status_interval_s (0.2 s).
+  async def occupy(index: int) -> None:
+    body = {"prompt": f"Occupant {index}", "max_tokens": 48, "ignore_eos": True,
+            "temperature": 0}
+    async with httpx.AsyncClient(timeout=120) as client:
+      response = await client.post(f"{server.url}/v1/completions", json=body)
+      assert response.status_code == 200, response.text
+
+  occupants = [asyncio.ensure_future(occupy(i)) for i in range(8)]
+  await asyncio.sleep(0.3)
+  watchers = await asyncio.gather(_watch(server, 0, False), _watch(server, 1, True))
+  await asyncio.gather(*occupants)
+  return watchers
+
+
+def test_waiting_streams_carry_queueing_status(server):
+  comments, chunks = asyncio.run(_queue_behind_a_full_batch(server))
+  assert comments["status"] == chunks["status"] == 200
+  assert comments["text"] and chunks["text"]  # the statuses did not disturb the answer
+  assert comments["comments"] and not comments["statuses"]  # comments unless asked
+  first = comments["comments"][0]
+  assert first.startswith(": queueing position=") and " waited_s=" in first and " eta_s=" in first
+  assert chunks["statuses"] and not chunks["comments"]
+  states = [status["state"] for status in chunks["statuses"]]
+  assert states[0] == "queueing" and states[-1] == "running"
+  assert chunks["statuses"][0]["position"] >= 1 and chunks["statuses"][0]["waited_s"] >= 0
+
+
+def test_sigterm_drains_then_exits_zero(cache_dir):
+  """Random weights (token ids only): a long request is cut at the drain timeout, a short
+  one finishes, and a newcomer hears 503 `draining`."""
+  server = ServerProcess("--config=configs/tiny.py", "--num_pages=256", "--max_num_seqs=4",
+                         "--max_num_batched_tokens=64", "--warmup_sampling=false",
+                         "--drain_timeout_s=1.0", cache_dir=cache_dir)
+  ends: dict[str, list] = {}
+
+  def stream(name: str, max_tokens: int) -> None:
+    body = {"prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}  # greedy: the steps warm-up compiled
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
+                      timeout=60) as response:
+      ends[name] = [json.loads(line[6:])["choices"][0]["finish_reason"]
+                    for line in response.iter_lines()
+                    if line.startswith("data: {") and '"choices":[{' in line]
+
+  # 1,000 tokens take seconds on a CPU (~10 ms a step); 20 take a fraction of one.
+  threads = [threading.Thread(target=stream, args=("long", 1000)),
+             threading.Thread(target=stream, args=("short", 20))]
+  for thread in threads:
+    thread.start()
+  time.sleep(0.5)
+  server.process.send_signal(signal.SIGTERM)
+  time.sleep(0.3)
+  refused = _post(server, {"prompt": [1, 2], "max_tokens": 2})
+  assert refused.status_code == 503, refused.text
+  assert refused.headers["x-kvpage-reject-reason"] == "draining"
+  assert int(refused.headers["retry-after"]) >= 1
+  assert refused.json()["error"]["code"] == "draining"
+  assert httpx.get(f"{server.url}/health").status_code == 503
+  for thread in threads:
+    thread.join(60)
+  assert server.process.wait(60) == 0, "".join(server.stderr)
+  assert ends["short"][-1] == "length"
+  assert ends["long"][-1] == "abort" and len(ends["long"]) < 1000

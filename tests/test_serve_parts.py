@@ -1,0 +1,236 @@
+"""The gateway's parts without a server: text deltas, stop strings, the wire format,
+push-back headers, and the scheduler's wait deadlines."""
+
+import itertools
+import math
+
+import hypothesis
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from serve_utils import make_served_checkpoint
+
+from configs import scheduler as scheduler_lib
+from kvpage.host.request import Request, RequestStatus, SamplingParams
+from kvpage.host.scheduler import Scheduler
+from kvpage.serve import protocol
+from kvpage.serve.app import MAX_RETRY_AFTER_S, push_back_headers
+from kvpage.serve.detokenize import IncrementalDetokenizer, StopStrings
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+  directory = make_served_checkpoint(tmp_path_factory.mktemp("served"))
+  return transformers.AutoTokenizer.from_pretrained(str(directory))
+
+
+def _stream(tokenizer, prompt: list[int], output: list[int], sizes: list[int]) -> list[str]:
+  detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+  deltas, start = [], 0
+  for size in itertools.cycle(sizes):
+    if start >= len(output):
+      break
+    deltas.append(detokenizer.push(output[start:start + size]))
+    start += size
+  deltas.append(detokenizer.flush())
+  return deltas
+
+
+def test_deltas_concatenate_to_the_whole_decoding_and_never_split_a_character(tokenizer):
+  text = "naïve café 日本語 🙂 and the quick brown fox"
+  output = tokenizer.encode(text)
+  assert len(output) > len(text.split())  # some characters span several tokens
+  for sizes in ([1], [2, 1], [3]):
+    deltas = _stream(tokenizer, tokenizer.encode("Hello"), output, sizes)
+    assert "".join(deltas) == tokenizer.decode(output) == text
+    assert not any("\ufffd" in delta for delta in deltas)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.data())
+def test_random_token_streams_decode_as_a_whole(tokenizer, data):
+  """Whatever a model emits — invalid UTF-8 included — the deltas join to decode()."""
+  vocab = len(tokenizer)
+  output = data.draw(st.lists(st.integers(3, vocab - 1), min_size=1, max_size=24))
+  sizes = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
+  deltas = _stream(tokenizer, [5, 6], output, sizes)
+  assert "".join(deltas) == tokenizer.decode(output, skip_special_tokens=True)
+
+
+def test_stop_strings_match_across_pushes_and_hold_back_a_partial_match():
+  stops = StopStrings(["END", "\n\n"])
+  assert stops.push("hello E") == "hello "  # "E" may begin "END"
+  assert stops.push("N") == ""
+  assert stops.push("Dgame over") == ""  # matched: the stop string is not emitted
+  assert stops.stopped and stops.push("more") == "" and stops.flush() == ""
+  other = StopStrings(["END"])
+  assert other.push("the E") == "the " and other.push("nd") == "End"
+  assert other.push("E") == "" and other.flush() == "E"  # never completed
+  first = StopStrings(["b", "abc"])
+  assert first.push("xabc") == "x"  # the earliest match wins ("abc" at 1, not "b" at 2)
+  assert StopStrings([]).push("anything") == "anything"
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({"prompt": [1], "n": 2}, "n", "unsupported_option"),
+    ({"prompt": [1], "logprobs": 1}, "logprobs", "unsupported_option"),
+    ({"prompt": [1], "presence_penalty": 0.5}, "presence_penalty", "unsupported_option"),
+    ({"prompt": [1], "bogus": 1}, "bogus", "unknown_field"),
+    ({"prompt": [1], "max_tokens": -1}, "max_tokens", "invalid_value"),
+    ({"prompt": [1], "max_tokens": "8"}, "max_tokens", "invalid_value"),
+    ({"prompt": [1], "max_tokens": True}, "max_tokens", "invalid_value"),
+    ({"prompt": [1], "temperature": -0.1}, "temperature", "invalid_value"),
+    ({"prompt": [1], "top_p": 0}, "top_p", "invalid_value"),
+    ({"prompt": [1], "seed": -1}, "seed", "invalid_value"),
+    ({"prompt": [1], "stop": [""]}, "stop", "invalid_value"),
+    ({"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options",
+     "invalid_value"),
+    ({"prompt": [1], "max_queue_wait_s": 0}, "max_queue_wait_s", "invalid_value"),
+    ({"prompt": ""}, "prompt", "empty_prompt"),
+    ({"prompt": [1.5]}, "prompt", "invalid_prompt"),
+    ({"prompt": [[1], [2]]}, "prompt", "unsupported_option"),
+    ({"prompt": None}, "prompt", "invalid_prompt"),
+])
+def test_completion_bodies_are_refused_by_field(body, param, code):
+  with pytest.raises(protocol.ApiError) as caught:
+    protocol.parse_completion(body)
+  error = caught.value
+  assert (error.status, error.param, error.code) == (400, param, code)
+  assert param in error.message and error.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_no_op_defaults_and_kvpage_fields_are_accepted():
+  parsed = protocol.parse_completion({
+      "prompt": [[1, 2]], "n": 1, "logprobs": None, "echo": False, "presence_penalty": 0,
+      "user": "u", "top_k": -1, "seed": 7, "stop": "x", "ignore_eos": True, "priority": -3,
+      "stream": True, "stream_options": {"include_usage": True, "include_status": True},
+      "max_queue_wait_s": 2.5})
+  assert parsed.prompt_ids == [1, 2] and parsed.top_k == 0 and parsed.stop == ("x",)
+  assert parsed.include_status and parsed.include_usage and parsed.max_queue_wait_s == 2.5
+  assert parsed.temperature == 1.0  # OpenAI's default
+  with pytest.raises(protocol.ApiError, match="'n'"):
+    protocol.parse_completion({"prompt": [1], "n": True})  # True is not 1
+
+
+def test_chat_bodies():
+  parsed = protocol.parse_chat({"messages": [
+      {"role": "system", "content": "be brief"},
+      {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text",
+                                                                      "text": "there"}]}],
+      "max_completion_tokens": 5})
+  assert parsed.messages[1] == {"role": "user", "content": "hi there"} and parsed.max_tokens == 5
+  for body, param in (({"messages": []}, "messages"),
+                      ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+                      ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                       "messages[0].content"),
+                      ({"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, "tools")):
+    with pytest.raises(protocol.ApiError) as caught:
+      protocol.parse_chat(body)
+    assert caught.value.param == param
+
+
+def test_push_back_headers_cap_at_two_minutes_and_say_not_to_retry_beyond():
+  headers = push_back_headers(2.3456, "kv_pressure")
+  assert headers == {"x-kvpage-reject-reason": "kv_pressure", "retry-after-ms": "2346",
+                     "Retry-After": "3", "x-should-retry": "true"}
+  tiny = push_back_headers(0.0001, "queue_full")
+  assert tiny["retry-after-ms"] == "1" and tiny["Retry-After"] == "1"  # at least one second
+  long = push_back_headers(MAX_RETRY_AFTER_S * 3, "kv_pressure")
+  assert long["retry-after-ms"] == "120000" and long["Retry-After"] == "120"
+  assert long["x-should-retry"] == "false"
+  assert push_back_headers(None, "draining") == {"x-kvpage-reject-reason": "draining"}
+
+
+class _Clock:
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def _scheduler(clock, **overrides) -> Scheduler:
+  config = scheduler_lib.get_scheduler_config()
+  config.update(dict(max_num_seqs=1, max_num_batched_tokens=64, watermark=0.0,
+                     async_scheduling=False, **overrides))
+  return Scheduler(config, num_pages=64, page_size=4, max_model_len=128, clock=clock)
+
+
+def _run_step(scheduler: Scheduler, clock: _Clock, seconds: float) -> None:
+  output = scheduler.schedule()
+  clock.now += seconds
+  scheduler.update(output, {seq.request_id: 1 for seq in output.scheduled if seq.samples})
+
+
+def test_a_request_forecast_to_wait_past_its_deadline_is_refused_at_the_door():
+  clock = _Clock()
+  scheduler = _scheduler(clock)
+  first = Request("first", [1] * 8, SamplingParams(max_tokens=50))
+  assert scheduler.add_request(first).admitted
+  for _ in range(4):  # price some steps: prefill, then decodes of 0.1 s
+    _run_step(scheduler, clock, 0.1)
+  stats = scheduler.stats()
+  patient = Request("patient", [1] * 8, SamplingParams(max_tokens=4), max_queue_wait_s=100.0)
+  assert scheduler.add_request(patient).admitted  # waits ~4.6 s behind `first`
+  hurried = Request("hurried", [1] * 8, SamplingParams(max_tokens=4), max_queue_wait_s=1.0)
+  answer = scheduler.add_request(hurried)
+  assert (answer.status, answer.cause) == (429, "wait_deadline")
+  assert "exceeds the request's max_queue_wait_s 1" in answer.reason
+  assert answer.retry_after is not None and answer.retry_after > 3.0  # ~5 s, less its 1 s
+  # Taken back out whole: nothing of it stays in the queue, the backlog or the counts.
+  assert hurried.status is RequestStatus.REJECTED and "hurried" not in scheduler.requests
+  assert [r.request_id for r in scheduler.waiting] == ["patient"]
+  after = scheduler.stats()
+  assert after["num_admitted"] == stats["num_admitted"] + 1
+  assert after["rejections"][429] == 1
+  assert scheduler.admission.num_backlog_pages == scheduler.admission.estimate_pages(patient)
+
+
+def test_a_deadline_that_passes_in_the_queue_ends_the_request_and_frees_its_place():
+  clock = _Clock()
+  scheduler = _scheduler(clock)
+  assert scheduler.add_request(Request("long", [1] * 8, SamplingParams(max_tokens=30))).admitted
+  _run_step(scheduler, clock, 0.1)  # `long` holds the one running slot
+  late = Request("late", [1] * 8, SamplingParams(max_tokens=4), max_queue_wait_s=0.5)
+  # No decode priced yet: the forecast cannot say, so the deadline is checked while it waits.
+  answer = scheduler.add_request(late)
+  if not answer.admitted:
+    pytest.skip("the forecast already refuses it at the door")  # tested above
+  clock.now += 0.6
+  output = scheduler.schedule()
+  assert late in output.finished and late.finish_reason == "deadline"
+  assert "late" not in scheduler.requests and not scheduler.waiting
+  assert scheduler.admission.num_backlog_pages == 0
+  assert math.isclose(scheduler.page_pool.num_used_pages,
+                      len(scheduler.requests["long"].page_ids))
+
+
+def test_a_scheduled_request_outlives_its_deadline():
+  clock = _Clock()
+  scheduler = _scheduler(clock)
+  request = Request("r", [1] * 8, SamplingParams(max_tokens=10), max_queue_wait_s=0.5)
+  assert scheduler.add_request(request).admitted
+  for _ in range(6):
+    _run_step(scheduler, clock, 0.2)
+  assert request.status is RequestStatus.RUNNING and len(request.output_ids) == 6
+
+
+def test_abort_with_a_reason_finishes_with_that_reason():
+  clock = _Clock()
+  scheduler = _scheduler(clock, output_estimate="running_mean")
+  request = Request("r", [1] * 8, SamplingParams(max_tokens=10))
+  scheduler.add_request(request)
+  _run_step(scheduler, clock, 0.1)
+  assert scheduler.abort("r", "stop") and request.finish_reason == "stop"
+  assert scheduler.page_pool.num_used_pages == 0
+  assert list(scheduler.admission._recent_outputs) == [1]  # a stop counts as an output
+
+
+def test_bad_deadlines_are_refused_when_the_request_is_made():
+  for value in (0.0, -1.0, math.nan, math.inf):
+    with pytest.raises(ValueError, match="max_queue_wait_s"):
+      Request("r", [1], SamplingParams(max_tokens=1), max_queue_wait_s=value)
+  assert np.isfinite(Request("r", [1], SamplingParams(max_tokens=1),
+                             max_queue_wait_s=1.0).max_queue_wait_s)
