@@ -11,13 +11,13 @@ import asyncio
 import json
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 from serve_utils import ServerProcess, make_served_checkpoint, metric
-
-from experiments import cli, generate
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -75,8 +75,7 @@ def _wait_until_idle(server, timeout_s: float = 30.0) -> str:
     time.sleep(0.05)
 
 
-def test_the_openai_client_completes_and_streams_both_endpoints(server, tokenizer, checkpoint,
-                                                                capsys):
+def test_the_openai_client_completes_and_streams_both_endpoints(server, tokenizer, checkpoint):
   client = _client(server)
   (model,) = [m.id for m in client.models.list().data]
   assert model == "tiny-served"
@@ -97,11 +96,14 @@ def test_the_openai_client_completes_and_streams_both_endpoints(server, tokenize
   with_ids = client.completions.create(model=model, prompt=prompt_ids, max_tokens=12,
                                        temperature=0,
                                        extra_body={"ignore_eos": True, "return_token_ids": True})
-  rc = cli.invoke(generate.main, ["generate", f"--checkpoint={checkpoint}",
-                                  f"--prompt_ids={','.join(map(str, prompt_ids))}",
-                                  "--max_new_tokens=12"])
-  assert rc == 0
-  generated = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["output_ids"]
+  # A process of its own: entry points' flags are global (tests/cli_harness.py).
+  result = subprocess.run([sys.executable, "-m", "experiments.generate",
+                           f"--checkpoint={checkpoint}",
+                           f"--prompt_ids={','.join(map(str, prompt_ids))}",
+                           "--max_new_tokens=12"], cwd=pathlib.Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stderr
+  generated = json.loads(result.stdout.strip().splitlines()[-1])["output_ids"]
   assert with_ids.choices[0].model_extra["token_ids"] == generated
   assert tokenizer.decode(generated) == whole.choices[0].text == with_ids.choices[0].text
 
@@ -277,12 +279,22 @@ def test_overload_pushes_back_with_hints_the_client_honours(server, capsys):
   assert metric(after, "kvpage:num_requests_running") == 0
 
 
-async def _watch(server, index: int, include_status: bool) -> dict:
+@pytest.fixture(scope="module")
+def tiny_server(cache_dir):
+  """Random weights (token ids only), four running slots, a one-second drain."""
+  process = ServerProcess("--config=configs/tiny.py", "--num_pages=256", "--max_num_seqs=4",
+                          "--max_num_batched_tokens=64", "--warmup_sampling=false",
+                          "--status_interval_s=0.1", "--drain_timeout_s=1.0",
+                          cache_dir=cache_dir)
+  yield process
+  assert process.stop() == 0, "".join(process.stderr)
+
+
+async def _watch(server, include_status: bool) -> dict:
   """A stream read by hand, to see the comments and status chunks the client hides."""
-  body = {"model": "tiny-served", "prompt": f"Watcher {index} waits", "max_tokens": 8,
-          "ignore_eos": True, "stream": True, "temperature": 0,
-          "stream_options": {"include_status": include_status}}
-  seen = {"comments": [], "statuses": [], "status": None, "text": ""}
+  body = {"prompt": [7, 8, 9], "max_tokens": 8, "ignore_eos": True, "stream": True,
+          "temperature": 0, "stream_options": {"include_status": include_status}}
+  seen = {"comments": [], "statuses": [], "status": None, "tokens": []}
   async with httpx.AsyncClient(timeout=120) as client, client.stream(
       "POST", f"{server.url}/v1/completions", json=body) as response:
     seen["status"] = response.status_code
@@ -294,46 +306,43 @@ async def _watch(server, index: int, include_status: bool) -> dict:
         if "status" in chunk:
           seen["statuses"].append(chunk["status"])
         elif chunk["choices"]:
-          seen["text"] += chunk["choices"][0]["text"]
+          seen["tokens"] += chunk["choices"][0]["token_ids"]
   return seen
 
 
 async def _queue_behind_a_full_batch(server) -> list[dict]:
-  # Eight streams fill every running slot (--max_num_seqs=8) for ~50 steps; the two
-  # watchers admitted behind them wait, told so every --status_interval_s (0.2 s).
+  # Four streams fill every running slot (--max_num_seqs=4) for 300 steps (seconds on
+  # a CPU); the two watchers admitted behind them wait, told so every 0.1 s.
   async def occupy(index: int) -> None:
-    body = {"prompt": f"Occupant {index}", "max_tokens": 48, "ignore_eos": True,
-            "temperature": 0}
+    body = {"prompt": [1, 2, index], "max_tokens": 300, "ignore_eos": True, "temperature": 0}
     async with httpx.AsyncClient(timeout=120) as client:
       response = await client.post(f"{server.url}/v1/completions", json=body)
       assert response.status_code == 200, response.text
 
-  occupants = [asyncio.ensure_future(occupy(i)) for i in range(8)]
+  occupants = [asyncio.ensure_future(occupy(i)) for i in range(4)]
   await asyncio.sleep(0.3)
-  watchers = await asyncio.gather(_watch(server, 0, False), _watch(server, 1, True))
+  watchers = await asyncio.gather(_watch(server, False), _watch(server, True))
   await asyncio.gather(*occupants)
   return watchers
 
 
-def test_waiting_streams_carry_queueing_status(server):
-  comments, chunks = asyncio.run(_queue_behind_a_full_batch(server))
+def test_waiting_streams_carry_queueing_status(tiny_server):
+  comments, chunks = asyncio.run(_queue_behind_a_full_batch(tiny_server))
   assert comments["status"] == chunks["status"] == 200
-  assert comments["text"] and chunks["text"]  # the statuses did not disturb the answer
+  assert len(comments["tokens"]) == len(chunks["tokens"]) == 8  # undisturbed by statuses
   assert comments["comments"] and not comments["statuses"]  # comments unless asked
   first = comments["comments"][0]
   assert first.startswith(": queueing position=") and " waited_s=" in first and " eta_s=" in first
   assert chunks["statuses"] and not chunks["comments"]
   states = [status["state"] for status in chunks["statuses"]]
-  assert states[0] == "queueing" and states[-1] == "running"
+  assert states[0] == "queueing" and states[-1] == "running" and states.count("running") == 1
   assert chunks["statuses"][0]["position"] >= 1 and chunks["statuses"][0]["waited_s"] >= 0
 
 
-def test_sigterm_drains_then_exits_zero(cache_dir):
-  """Random weights (token ids only): a long request is cut at the drain timeout, a short
-  one finishes, and a newcomer hears 503 `draining`."""
-  server = ServerProcess("--config=configs/tiny.py", "--num_pages=256", "--max_num_seqs=4",
-                         "--max_num_batched_tokens=64", "--warmup_sampling=false",
-                         "--drain_timeout_s=1.0", cache_dir=cache_dir)
+def test_sigterm_drains_then_exits_zero(tiny_server):
+  """A long request is cut at the drain timeout, a short one finishes, and a newcomer
+  hears 503 `draining`. (The module's last test: the server is gone after it.)"""
+  server = tiny_server
   ends: dict[str, list] = {}
 
   def stream(name: str, max_tokens: int) -> None:
