@@ -23,18 +23,20 @@ p50s to the in-process ones (the issue's bound: at most 1.05). Prints a table an
 writes JSON with the premises (model, dtype, lengths, batch policy, hardware, versions).
 """
 
-import asyncio
+import dataclasses
 import json
+import os
+import pathlib
 import re
 import subprocess
 import sys
-import time
+import tempfile
 
 import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from benchmarks.load_client import LoadConfig, arrival_times, make_prompts, run_load, summarize
+from benchmarks.load_client import LoadConfig, arrival_times, make_prompts
 from configs import hardware as hardware_lib
 from experiments import build, cli
 from kvpage.host.request import SamplingParams
@@ -45,11 +47,12 @@ _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 64, "Requests per round.")
 _RATE = flags.DEFINE_float("request_rate", 4.0, "Poisson arrivals per second.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens.")
 _OUTPUT_LEN = flags.DEFINE_integer("output_len", 64, "Output tokens.")
-_ROUNDS = flags.DEFINE_integer("rounds", 2, "In-process/HTTP pairs, alternated.")
+_ROUNDS = flags.DEFINE_integer("rounds", 4, "In-process/HTTP pairs, in alternating order.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages; 0 = the config's.")
 _COMPILATION_CACHE = flags.DEFINE_string("compilation_cache", "workdir/jax_cache",
                                          "Persistent XLA compilation cache ('' = off).")
+_PIN = flags.DEFINE_bool("pin", True, "Engine and load client on separate cores (Linux).")
 _OUT = flags.DEFINE_string("out", "workdir/http_overhead/result.json", "The JSON record.")
 _SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
 
@@ -76,18 +79,45 @@ def in_process(setup: build.ServingSetup, load: LoadConfig) -> dict:
               itl_s=_percentiles([gap for row in rows for gap in row["itl_s"]]))
 
 
-def over_http(load: LoadConfig) -> dict:
-  """The same workload from the load client; figures at the client."""
-  summary = summarize(asyncio.run(run_load(load)))
+def over_http(load: LoadConfig, cores: set[int] | None) -> dict:
+  """The same workload from the load client, in a process of its own on `cores`;
+  figures at the client."""
+  with tempfile.TemporaryDirectory() as directory:
+    output = pathlib.Path(directory) / "load.json"
+    settings = {field.name: getattr(load, field.name) for field in dataclasses.fields(load)}
+    argv = [f"--{name}={value}" for name, value in settings.items() if value is not None
+            and not isinstance(value, bool)]
+    argv += [f"--{'' if value else 'no'}{name}" for name, value in settings.items()
+             if isinstance(value, bool)]
+    subprocess.run([sys.executable, "-m", "benchmarks.serve_http", *argv, f"--output={output}"],
+                   check=True, stdout=subprocess.DEVNULL, preexec_fn=_pinned(cores))
+    summary = json.loads(output.read_text())["summary"]
   return dict(served=summary["served"], rejections=summary["rejections"],
               ttft_s={k: summary["ttft_s"][k] for k in ("p50", "p99")},
               itl_s={k: summary["itl_s"][k] for k in ("p50", "p99")})
 
 
-def start_server(argv_flags: list[str]) -> tuple[subprocess.Popen, str]:
+def _pinned(cores: set[int] | None):
+  """A `preexec_fn` that confines the child to `cores` (None: leave it be)."""
+  return None if cores is None else lambda: os.sched_setaffinity(0, cores)
+
+
+def core_split() -> tuple[set[int] | None, set[int] | None]:
+  """(engine cores, client cores): the load client on a core of its own, so that on a
+  small machine its parsing does not slow the engine's steps in one run and not the
+  other (a co-located client costs a 2-core machine's steps ~40%); None if not possible."""
+  if not _PIN.value or not hasattr(os, "sched_getaffinity"):
+    return None, None
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < 2:
+    return None, None
+  return set(cores[:-1]), {cores[-1]}
+
+
+def start_server(argv_flags: list[str], cores: set[int] | None) -> tuple[subprocess.Popen, str]:
   process = subprocess.Popen([sys.executable, "-m", "experiments.serve", "--port=0",
                               "--warmup_sampling=false", *argv_flags],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, text=True, preexec_fn=_pinned(cores))
   for line in process.stdout:
     found = re.search(r" on (http://127\.0\.0\.1:\d+) ", line)
     if found:
@@ -107,6 +137,9 @@ def main(argv: list[str]) -> None:
             *(f"--{name}={holder.value}" for name, holder in _SCHEDULER_FLAGS.items()
               if holder.value is not None)]
   with cli.workdir(_OUT.value.rsplit("/", 1)[0] if "/" in _OUT.value else ".") as directory:
+    engine_cores, client_cores = core_split()
+    if engine_cores is not None:  # before jax starts its threads
+      os.sched_setaffinity(0, engine_cores)
     cli.enable_compilation_cache(_COMPILATION_CACHE.value)
     setup = build.serving_engine(config, executor="jax",
                                  hardware=hardware_lib.get_hardware(config.hardware),
@@ -115,17 +148,22 @@ def main(argv: list[str]) -> None:
     setup.engine.executor.warmup(scheduler_config.max_num_seqs,
                                  scheduler_config.max_num_batched_tokens,
                                  num_decode_steps=scheduler_config.num_decode_steps)
-    server, url = start_server(shared)
+    server, url = start_server(shared, engine_cores)
     try:
       load = LoadConfig(url=url, num_requests=_NUM_REQUESTS.value, request_rate=_RATE.value,
                         prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
                         min_token_id=1, max_token_id=setup.config.model.vocab_size,
                         seed=_SEED.value, max_retries=0)
+      # A few requests first, so the first round does not pay for the server's first
+      # connections and lazily built routes (the in-process engine was warmed above).
+      over_http(dataclasses.replace(load, num_requests=8, seed=load.seed + 1), client_cores)
       rounds = []
       for number in range(_ROUNDS.value):
-        local = in_process(setup, load)
-        time.sleep(0.5)
-        http = over_http(load)
+        # Alternated, so that drift on a shared machine favours neither side.
+        if number % 2:
+          http, local = over_http(load, client_cores), in_process(setup, load)
+        else:
+          local, http = in_process(setup, load), over_http(load, client_cores)
         rounds.append(dict(round=number, in_process=local, http=http))
         print(f"round {number}: TTFT p50 {1e3 * local['ttft_s']['p50']:.2f} ms in-process, "
               f"{1e3 * http['ttft_s']['p50']:.2f} ms over HTTP; ITL p50 "
@@ -148,6 +186,8 @@ def main(argv: list[str]) -> None:
                       arrival_process="poisson", seed=_SEED.value,
                       num_pages=setup.num_pages, page_size=setup.config.cache.page_size,
                       policies=scheduler_config.to_dict(), hardware=setup.hardware_record,
+                      engine_cores=sorted(engine_cores or []),
+                      client_cores=sorted(client_cores or []),
                       **premises.environment()))
     print(f"\nHTTP / in-process, median over {len(rounds)} rounds: TTFT p50 "
           f"{record['ttft_p50_ratio']:.3f}x, ITL p50 {record['itl_p50_ratio']:.3f}x "

@@ -62,6 +62,7 @@ class LoadConfig:
   min_token_id: int = 10
   max_token_id: int = 500  # exclusive
   ignore_eos: bool = True
+  temperature: float = 0.0  # greedy: every engine computes the same work
   seed: int = 0
   max_retries: int = 3
   honor_retry_after: bool = True
@@ -81,6 +82,8 @@ class LoadConfig:
     if not self.request_rate > 0:
       raise ValueError(f"request_rate must be positive (inf = all at once), "
                        f"got {self.request_rate}")
+    if not 0 <= self.temperature < math.inf:
+      raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
     if not 0 < self.timeout_s < math.inf:
       raise ValueError(f"timeout_s must be positive and finite, got {self.timeout_s}")
 
@@ -207,6 +210,7 @@ def make_prompts(config: LoadConfig) -> list[list[int]] | list[str]:
 
 def request_body(config: LoadConfig, model: str, prompt: list[int] | str) -> dict[str, Any]:
   body: dict[str, Any] = dict(model=model, max_tokens=config.output_len, stream=True,
+                              temperature=config.temperature,
                               stream_options={"include_usage": True})
   if config.endpoint == "completions":
     body["prompt"] = prompt
@@ -295,7 +299,7 @@ def _take_chunk(data: str, endpoint: str, record: RequestRecord, now: float) -> 
   choice = choices[0]
   text = (choice.get("text") if endpoint == "completions"
           else (choice.get("delta") or {}).get("content"))
-  if text:
+  if text or choice.get("token_ids"):  # a server without a tokenizer sends ids only
     record.chunk_times_s.append(now)
   if choice.get("finish_reason"):
     record.finish_reason = choice["finish_reason"]

@@ -71,6 +71,7 @@ flags.DEFINE_integer("min_token_id", _DEFAULTS.min_token_id, "Smallest prompt to
 flags.DEFINE_integer("max_token_id", _DEFAULTS.max_token_id, "Prompt token ids stay below it.")
 flags.DEFINE_bool("ignore_eos", _DEFAULTS.ignore_eos,
                   'Send "ignore_eos": true, so that every request generates output_len tokens.')
+flags.DEFINE_float("temperature", _DEFAULTS.temperature, "Sampling temperature; 0 = greedy.")
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the prompts and the arrivals.")
 flags.DEFINE_integer("max_retries", _DEFAULTS.max_retries, "Retries of a 429/503, at most.")
 flags.DEFINE_bool("honor_retry_after", _DEFAULTS.honor_retry_after,
