@@ -11,6 +11,7 @@ import asyncio
 import json
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -162,6 +163,15 @@ def test_malformed_requests_get_openai_shaped_errors(server, body, status, code)
   assert response.status_code == status, response.text
   error = response.json()["error"]
   assert error["code"] == code and error["message"] and error["type"]
+
+
+def test_an_oversized_body_is_refused_before_it_is_read(server):
+  host, port = server.url.removeprefix("http://").split(":")
+  with socket.create_connection((host, int(port)), timeout=30) as connection:
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: 999999999\r\n\r\n{")
+    head = connection.recv(65536).decode()
+  assert head.startswith("HTTP/1.1 413") and "body_too_large" in head
 
 
 def test_the_server_keeps_serving_after_bad_input(server):
@@ -319,15 +329,24 @@ async def _queue_behind_a_full_batch(server) -> list[dict]:
       response = await client.post(f"{server.url}/v1/completions", json=body)
       assert response.status_code == 200, response.text
 
+  async def hurry(deadline: str, stream: bool) -> tuple[int, dict, str]:
+    """A request that may wait only `deadline` seconds (the header form)."""
+    body = {"prompt": [4, 5], "max_tokens": 4, "temperature": 0, "stream": stream}
+    async with httpx.AsyncClient(timeout=120) as client:
+      response = await client.post(f"{server.url}/v1/completions", json=body,
+                                   headers={"x-kvpage-max-wait-s": deadline})
+      return response.status_code, dict(response.headers), response.text
+
   occupants = [asyncio.ensure_future(occupy(i)) for i in range(4)]
   await asyncio.sleep(0.3)
-  watchers = await asyncio.gather(_watch(server, False), _watch(server, True))
+  watchers = await asyncio.gather(_watch(server, False), _watch(server, True),
+                                  hurry("0.05", False), hurry("0.05", True))
   await asyncio.gather(*occupants)
   return watchers
 
 
 def test_waiting_streams_carry_queueing_status(tiny_server):
-  comments, chunks = asyncio.run(_queue_behind_a_full_batch(tiny_server))
+  comments, chunks, *hurried = asyncio.run(_queue_behind_a_full_batch(tiny_server))
   assert comments["status"] == chunks["status"] == 200
   assert len(comments["tokens"]) == len(chunks["tokens"]) == 8  # undisturbed by statuses
   assert comments["comments"] and not comments["statuses"]  # comments unless asked
@@ -337,6 +356,16 @@ def test_waiting_streams_carry_queueing_status(tiny_server):
   states = [status["state"] for status in chunks["statuses"]]
   assert states[0] == "queueing" and states[-1] == "running" and states.count("running") == 1
   assert chunks["statuses"][0]["position"] >= 1 and chunks["statuses"][0]["waited_s"] >= 0
+  # Behind seconds of work, a 50 ms deadline fails: refused at the door with a hint when
+  # the forecast already says so, else ended in the queue (an error event, when streamed).
+  for status, headers, text in hurried:
+    if status == 429:
+      error = json.loads(text)["error"]
+      assert headers["x-kvpage-reject-reason"] == error["code"] == "wait_deadline"
+      at_door = "forecast wait" in error["message"]
+      assert at_door == ("retry-after-ms" in headers)  # a hint only where there is a forecast
+    else:
+      assert status == 200 and '"code":"wait_deadline"' in text and "data: [DONE]" in text
 
 
 def test_sigterm_drains_then_exits_zero(tiny_server):

@@ -68,8 +68,9 @@ def test_real_tiny_model(tmp_path):
 
 
 def test_real_tiny_model_with_multi_step_decoding(tmp_path):
+  # A small budget keeps the warm-up to a few shapes; it still compiles all of them.
   summary, steps = serve_six_tiny_requests(tmp_path, 9, "--num_decode_steps=4",
-                                           "--max_num_seqs=8")
+                                           "--max_num_seqs=8", "--max_num_batched_tokens=256")
   assert summary["premises"]["policies"]["num_decode_steps"] == 4
   assert summary["premises"]["compiles_during_run"] == 0  # multi-step ones too
   assert max(step["generated_tokens"] for step in steps) > 6  # some launch ran iterations
@@ -111,7 +112,7 @@ def test_unusable_inputs_fail_before_the_run(tmp_path):
 
 def test_measured_clock_starts_after_warmup(tmp_path):
   result = serve(tmp_path, "--num_requests=4", "--arrival_rate=inf", "--prompt_len=8",
-                 "--output_len=2")
+                 "--output_len=2", "--max_num_seqs=8", "--max_num_batched_tokens=256")
   assert result.returncode == 0, result.stderr
   summary = check_summary(tmp_path)
   assert summary["premises"]["compiles_during_run"] == 0  # warm-up compiled every shape

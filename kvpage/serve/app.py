@@ -66,6 +66,7 @@ from kvpage.serve.protocol import ApiError, GenerationRequest
 MAX_RETRY_AFTER_S = 120.0  # the official openai client waits at most this long
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_REQUEST_ID = 128
+MAX_BODY_BYTES = 32 * 2**20  # a million-token prompt as JSON ids fits several times
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -256,7 +257,8 @@ class Gateway:
   def _ended_error(self, last: Delta) -> ApiError:
     if last.finish_reason == "deadline":
       return ApiError(429, "the request's max_queue_wait_s passed before it was scheduled",
-                      "rate_limit_error", "wait_deadline")
+                      "rate_limit_error", "wait_deadline",
+                      headers=push_back_headers(None, "wait_deadline"))
     return ApiError(500, f"the engine stopped: {self.loop and self.loop.failure}",
                     "server_error", "engine_dead")
 
@@ -365,9 +367,18 @@ async def _disconnected(http: fastapi.Request) -> None:
 
 
 async def _json_body(http: fastapi.Request) -> Any:
-  raw = await http.body()
+  declared = http.headers.get("content-length", "0")
+  if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+    raise ApiError(413, f"the request body ({int(declared):,} bytes) exceeds "
+                   f"{MAX_BODY_BYTES:,} bytes", code="body_too_large")
+  raw = bytearray()
+  async for part in http.stream():  # bounded even when no length was declared
+    raw += part
+    if len(raw) > MAX_BODY_BYTES:
+      raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES:,} bytes",
+                     code="body_too_large")
   try:
-    return json.loads(raw)
+    return json.loads(bytes(raw))
   except (json.JSONDecodeError, UnicodeDecodeError) as error:
     raise ApiError(400, f"the request body is not valid JSON: {error}",
                    code="invalid_json") from None

@@ -138,8 +138,10 @@ class EngineLoop:
     return await self._call(lambda: self._add(submission))
 
   def abort(self, request_id: str, reason: str = "aborted") -> None:
-    """Ends a live request (a client gone); its pages are free before the next step."""
-    self._send(lambda: self._abort(request_id, reason))
+    """Ends a live request (a client gone); its pages are free before the next step.
+    A no-op once the thread has stopped: nothing runs any more."""
+    if self.failure is None:
+      self._send(lambda: self._abort(request_id, reason))
 
   async def status(self, request_id: str) -> QueueStatus | None:
     """Where a live request stands; None once it has ended."""
