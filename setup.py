@@ -42,6 +42,7 @@ setuptools.setup(
             "openai>=1.40",  # the official client, driven against the server in tests
             "httpx>=0.27",
             "pytest>=8",
+            "pytest-xdist>=3.5",  # `pytest -n 2`: two workers, the suite in ~3/4 of the time
             "hypothesis>=6.100",
             "chex>=0.1.90",
             "ruff>=0.6",

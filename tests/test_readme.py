@@ -15,7 +15,7 @@ def test_ci_runs_the_readme_test_command():
   test_command = next(block for block in blocks if "pytest" in block)
   assert test_command in (ROOT / ".ci" / "run").read_text().splitlines()
   # The linter, then the type checker, then the tests: each gate stops the next.
-  assert test_command.endswith(" && ruff check . && mypy && python -m pytest")
+  assert test_command.endswith(" && ruff check . && mypy && python -m pytest -n 2")
 
 
 def test_the_type_checker_covers_the_host_world_and_the_contract():
