@@ -16,6 +16,11 @@ alternating rounds so that drift on a shared machine hits both alike:
     same weights) in a process of its own, timed at the client: TTFT from the send to
     the first content chunk, ITL between chunks.
 
+With `--executor=sim` both runs serve a simulated GPU in real time (the roofline of
+`--hardware`, each step slept through), so the host's CPU is free while the "device"
+works, as on a GPU machine; with the real model on a CPU the device work *is* host CPU
+work, and the gateway's thread competes with it for the engine's core.
+
 The HTTP figures therefore include everything the gateway adds: the request's parse
 and checks, the hop to the engine thread and back, SSE framing, the loopback socket,
 and the client's own parsing. Reports each round's p50/p99 and the ratio of the HTTP
@@ -50,6 +55,9 @@ _OUTPUT_LEN = flags.DEFINE_integer("output_len", 64, "Output tokens.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "In-process/HTTP pairs, in alternating order.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages; 0 = the config's.")
+_EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
+                              "The real model, or a simulated GPU in real time (paced).")
+_HARDWARE = flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
 _COMPILATION_CACHE = flags.DEFINE_string("compilation_cache", "workdir/jax_cache",
                                          "Persistent XLA compilation cache ('' = off).")
 _PIN = flags.DEFINE_bool("pin", True, "Engine and load client on separate cores (Linux).")
@@ -132,7 +140,9 @@ def main(argv: list[str]) -> None:
   # The server gets the same config file and flags (config overrides other than the
   # shortcuts do not travel), so it builds the same engine with the same weights.
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
+  hardware = _HARDWARE.value or config.hardware
   shared = [f"--config={config_file}", f"--num_pages={_NUM_PAGES.value}",
+            f"--executor={_EXECUTOR.value}", f"--hardware={hardware}",
             f"--compilation_cache={_COMPILATION_CACHE.value}",
             *(f"--{name}={holder.value}" for name, holder in _SCHEDULER_FLAGS.items()
               if holder.value is not None)]
@@ -141,9 +151,9 @@ def main(argv: list[str]) -> None:
     if engine_cores is not None:  # before jax starts its threads
       os.sched_setaffinity(0, engine_cores)
     cli.enable_compilation_cache(_COMPILATION_CACHE.value)
-    setup = build.serving_engine(config, executor="jax",
-                                 hardware=hardware_lib.get_hardware(config.hardware),
-                                 num_pages=_NUM_PAGES.value)
+    setup = build.serving_engine(config, executor=_EXECUTOR.value,
+                                 hardware=hardware_lib.get_hardware(hardware),
+                                 num_pages=_NUM_PAGES.value, paced=True)
     scheduler_config = setup.config.scheduler
     setup.engine.executor.warmup(scheduler_config.max_num_seqs,
                                  scheduler_config.max_num_batched_tokens,
@@ -180,7 +190,8 @@ def main(argv: list[str]) -> None:
 
     record = dict(
         rounds=rounds, ttft_p50_ratio=ratio("ttft_s"), itl_p50_ratio=ratio("itl_s"),
-        premises=dict(model=setup.config.model.to_dict(), dtype=setup.config.model.dtype,
+        premises=dict(executor=_EXECUTOR.value, model=setup.config.model.to_dict(),
+                      dtype=setup.config.model.dtype,
                       prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
                       num_requests=_NUM_REQUESTS.value, request_rate=_RATE.value,
                       arrival_process="poisson", seed=_SEED.value,

@@ -20,7 +20,7 @@ from kvpage.device.executor import JaxExecutor
 from kvpage.host.engine import Engine
 from kvpage.host.scheduler import Scheduler
 from kvpage.sim import capacity, premises
-from kvpage.sim.clock import VirtualClock, WallClock
+from kvpage.sim.clock import PacedClock, VirtualClock, WallClock
 from kvpage.sim.executor import Roofline, SimExecutor
 from kvpage.sim.hardware import HardwareSpec
 from models import hf, llama
@@ -116,9 +116,11 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
 
 def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
                scheduler_config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
-               kv_dtype: str | None = None, num_host_pages: int = 0) -> Engine:
-  """An engine over a simulated GPU: the same scheduler, a roofline executor, virtual time."""
-  clock = VirtualClock()
+               kv_dtype: str | None = None, num_host_pages: int = 0,
+               paced: bool = False) -> Engine:
+  """An engine over a simulated GPU: the same scheduler, a roofline executor, virtual time
+  (`paced`: wall time, each step slept through, to serve live clients)."""
+  clock = PacedClock() if paced else VirtualClock()
   roofline = Roofline(capacity.ModelShape.from_config(model_config), hardware,
                       weight_dtype=model_config.dtype, kv_dtype=kv_dtype, page_size=page_size)
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
@@ -145,8 +147,10 @@ class ServingSetup:
 
 
 def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware: HardwareSpec,
-                   checkpoint: str | None = None, num_pages: int = 0) -> ServingSetup:
-  """The engine `serve_bench` runs: real (`jax`, random weights or a checkpoint) or `sim`."""
+                   checkpoint: str | None = None, num_pages: int = 0,
+                   paced: bool = False) -> ServingSetup:
+  """The engine `serve_bench` runs: real (`jax`, random weights or a checkpoint) or `sim`
+  (`paced`: in wall time, for a live server)."""
   page_size, host_pages = config.cache.page_size, config.scheduler.num_host_pages
   if executor == "sim":
     for name, value in (("num_pages", num_pages), ("num_host_pages", host_pages)):
@@ -158,7 +162,7 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
                                             kv_dtype=config.cache.kv_dtype)
     engine = sim_engine(config.model, hardware, config.scheduler, num_pages=num_pages,
                         page_size=page_size, kv_dtype=config.cache.kv_dtype,
-                        num_host_pages=host_pages)
+                        num_host_pages=host_pages, paced=paced)
     return ServingSetup(engine, config, num_pages, dataclasses.asdict(hardware))
   num_pages = num_pages or config.cache.num_pages
   if num_pages < 2:

@@ -29,7 +29,12 @@ _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on; 0 = any free port
 _MODEL_NAME = flags.DEFINE_string("served_model_name", None,
                                   "Model name clients ask for (default: the checkpoint's "
                                   "directory name, or the config's model name).")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = config's.")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = config's "
+                                  "(the simulator: what the device holds).")
+_EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
+                              "The real model, or a simulated GPU in real time (a roofline "
+                              "of --hardware, every step slept through; token ids only).")
+_HARDWARE = flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
 _MAX_QUEUE_WAIT = flags.DEFINE_float("max_queue_wait_s", None,
                                      "Default wait deadline (seconds to the first step).")
 _DRAIN_TIMEOUT = flags.DEFINE_float("drain_timeout_s", 30.0,
@@ -78,9 +83,13 @@ def main(argv: list[str]) -> None:
     tokenizer = hf.load_tokenizer(_CHECKPOINT.value)
     eos_ids = hf.eos_token_ids(_CHECKPOINT.value, tokenizer)
   cli.enable_compilation_cache(_COMPILATION_CACHE.value)
-  setup = build.serving_engine(config, executor="jax",
-                               hardware=hardware_lib.get_hardware(config.hardware),
-                               checkpoint=_CHECKPOINT.value, num_pages=_NUM_PAGES.value)
+  if _CHECKPOINT.value and _EXECUTOR.value == "sim":
+    raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
+  setup = build.serving_engine(config, executor=_EXECUTOR.value,
+                               hardware=hardware_lib.get_hardware(_HARDWARE.value
+                                                                  or config.hardware),
+                               checkpoint=_CHECKPOINT.value, num_pages=_NUM_PAGES.value,
+                               paced=True)
   if tokenizer is not None and len(tokenizer) > setup.config.model.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                      f"is {setup.config.model.vocab_size}")

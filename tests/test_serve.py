@@ -402,3 +402,22 @@ def test_sigterm_drains_then_exits_zero(tiny_server):
   assert server.process.wait(60) == 0, "".join(server.stderr)
   assert ends["short"][-1] == "length"
   assert ends["long"][-1] == "abort" and len(ends["long"]) < 1000
+
+
+def test_a_simulated_gpu_serves_in_real_time(cache_dir):
+  """--executor=sim: the 13B roofline on an A100, each step slept through; token ids out."""
+  server = ServerProcess("--executor=sim", "--config=configs/llama_13b.py",
+                         "--hardware=a100_80gb", cache_dir=cache_dir)
+  try:
+    start = time.monotonic()
+    response = _post(server, {"prompt": list(range(1, 513)), "max_tokens": 8,
+                              "ignore_eos": True, "temperature": 0})
+    elapsed = time.monotonic() - start
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["usage"]["completion_tokens"] == len(answer["choices"][0]["token_ids"]) == 8
+    text = _metrics(server)
+    # The simulated steps took real time: a 512-token prefill and seven decodes of 13B.
+    assert elapsed >= metric(text, "kvpage:e2e_request_latency_seconds_sum") > 0.05
+  finally:
+    assert server.stop() == 0, "".join(server.stderr)

@@ -16,6 +16,7 @@ from kvpage.host.scheduler import Scheduler
 from kvpage.serve import protocol
 from kvpage.serve.app import MAX_RETRY_AFTER_S, push_back_headers
 from kvpage.serve.detokenize import IncrementalDetokenizer, StopStrings
+from kvpage.sim.clock import PacedClock
 
 transformers = pytest.importorskip("transformers")
 
@@ -234,3 +235,14 @@ def test_bad_deadlines_are_refused_when_the_request_is_made():
       Request("r", [1], SamplingParams(max_tokens=1), max_queue_wait_s=value)
   assert np.isfinite(Request("r", [1], SamplingParams(max_tokens=1),
                              max_queue_wait_s=1.0).max_queue_wait_s)
+
+
+def test_a_paced_clock_sleeps_through_what_a_simulated_step_costs():
+  clock = PacedClock()
+  start = clock()
+  clock.advance(0.05)
+  assert clock() - start >= 0.05
+  clock.advance_to(start + 0.08)
+  assert clock() - start >= 0.08
+  with pytest.raises(ValueError, match="backwards"):
+    clock.advance(-1.0)

@@ -30,7 +30,7 @@ from typing import Any
 from kvpage import units
 from kvpage.interface import Executor, Samples, SchedulerOutput
 from kvpage.sim import capacity
-from kvpage.sim.clock import VirtualClock
+from kvpage.sim.clock import PacedClock, VirtualClock
 from kvpage.sim.hardware import HardwareSpec
 
 DUMMY_TOKEN = 1
@@ -100,7 +100,7 @@ class Roofline:
 class SimExecutor(Executor):
   """The executor contract over a roofline and a virtual clock."""
 
-  def __init__(self, roofline: Roofline, clock: VirtualClock):
+  def __init__(self, roofline: Roofline, clock: VirtualClock | PacedClock):
     self.roofline = roofline
     self.clock = clock
     self.costs: list[StepCost] = []
