@@ -1,12 +1,14 @@
 """The gateway's parts without a server: text deltas, stop strings, the wire format,
 push-back headers, and the scheduler's wait deadlines."""
 
+import asyncio
 import itertools
 import math
 
 import hypothesis
 import numpy as np
 import pytest
+from engine_utils import fake_engine
 from hypothesis import strategies as st
 from serve_utils import make_served_checkpoint
 
@@ -16,6 +18,8 @@ from kvpage.host.scheduler import Scheduler
 from kvpage.serve import protocol
 from kvpage.serve.app import MAX_RETRY_AFTER_S, push_back_headers
 from kvpage.serve.detokenize import IncrementalDetokenizer, StopStrings
+from kvpage.serve.engine_loop import EngineLoop, EngineStoppedError, Submission
+from kvpage.serve.metrics import ServerMetrics
 from kvpage.sim.clock import PacedClock
 
 transformers = pytest.importorskip("transformers")
@@ -246,3 +250,53 @@ def test_a_paced_clock_sleeps_through_what_a_simulated_step_costs():
   assert clock() - start >= 0.08
   with pytest.raises(ValueError, match="backwards"):
     clock.advance(-1.0)
+
+
+def _engine_loop_run(engine, coroutine_fn):
+  async def main():
+    metrics = ServerMetrics(engine.scheduler, engine.clock, "fake")
+    loop = EngineLoop(engine, asyncio.get_running_loop(), metrics=metrics)
+    loop.start()
+    try:
+      return await asyncio.wait_for(coroutine_fn(loop), 30)
+    finally:
+      loop.stop()
+
+  return asyncio.run(main())
+
+
+def test_the_engine_thread_streams_deltas_and_ends_with_usage():
+  engine = fake_engine()
+
+  async def run(loop):
+    answer, stream = await loop.submit(Submission("a", [1, 2, 3], SamplingParams(max_tokens=5)))
+    assert answer.admitted
+    last = await stream.done
+    tokens = []
+    while not stream.deltas.empty():
+      tokens += stream.deltas.get_nowait().token_ids
+    return last, tokens
+
+  last, tokens = _engine_loop_run(engine, run)
+  assert last.finish_reason == "length" and last.num_output_tokens == 5 and len(tokens) == 5
+  assert engine.scheduler.page_pool.num_used_pages == 0
+
+
+def test_a_failing_engine_ends_every_stream_and_refuses_new_work():
+  engine = fake_engine()
+
+  def broken_step():
+    raise RuntimeError("device lost")
+
+  async def run(loop):
+    engine.step = broken_step  # the first step after the admission raises, on the thread
+    answer, stream = await loop.submit(Submission("a", [1, 2, 3], SamplingParams(max_tokens=50)))
+    assert answer.admitted
+    last = await stream.done
+    with pytest.raises(EngineStoppedError, match="device lost"):
+      await loop.submit(Submission("b", [1], SamplingParams(max_tokens=1)))
+    loop.abort("a")  # a no-op now, not an error
+    return last, loop
+
+  last, loop = _engine_loop_run(engine, run)
+  assert last.finish_reason == "error" and not loop.alive

@@ -162,9 +162,10 @@ class EngineLoop:
     return await self._call(self._abort_all)
 
   def stop(self) -> None:
-    """Ends the thread once the commands sent before are done."""
-    self._send(self._request_stop)
-    self._thread.join()
+    """Ends the thread once the commands sent before are done (at once if it died)."""
+    if self._thread.is_alive():
+      self._inbox.put(self._request_stop)
+      self._thread.join()
 
   async def _call(self, function: Callable[[], Any]) -> Any:
     future: concurrent.futures.Future = concurrent.futures.Future()
