@@ -300,3 +300,18 @@ def test_a_failing_engine_ends_every_stream_and_refuses_new_work():
 
   last, loop = _engine_loop_run(engine, run)
   assert last.finish_reason == "error" and not loop.alive
+
+
+def test_an_id_reused_at_once_is_not_ended_by_the_report_of_the_request_before():
+  engine = fake_engine()
+
+  async def run(loop):
+    _, first = await loop.submit(Submission("same", [1, 2, 3], SamplingParams(max_tokens=200)))
+    loop.abort("same")  # the client went away; the engine reports the end a step later
+    answer, second = await loop.submit(Submission("same", [4, 5], SamplingParams(max_tokens=6)))
+    assert answer.admitted
+    return await first.done, await second.done
+
+  first, second = _engine_loop_run(engine, run)
+  assert first.finish_reason == "abort"
+  assert second.finish_reason == "length" and second.num_output_tokens == 6

@@ -47,11 +47,6 @@ from kvpage.host.request import Request
 from kvpage.host.wait_estimate import WaitEstimator
 
 OK, BAD_REQUEST, TOO_MANY_REQUESTS, SERVICE_UNAVAILABLE = 200, 400, 429, 503
-# `Admission.cause`, by the check that answered: the 400s, then the 503, then the 429s
-# (`wait_deadline`: the forecast wait exceeds the request's own `max_queue_wait_s`).
-CAUSES = ("admitted", "empty_prompt", "context_length_exceeded", "exceeds_pool",
-          "invalid_token_ids", "exceeds_watermark", "duplicate_request_id", "kv_pressure",
-          "queue_full", "wait_deadline")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +58,10 @@ class Admission:
   retry_after: float | None = None
   request_id: str = ""
   # Which check answered, as a stable code a gateway can send on (the `reason` is prose):
-  # one of CAUSES.
+  # "admitted"; the 400s "empty_prompt", "context_length_exceeded", "exceeds_pool",
+  # "invalid_token_ids", "exceeds_watermark", "duplicate_request_id"; the 503
+  # "kv_pressure"; the 429s "queue_full" and "wait_deadline" (the forecast wait exceeds
+  # the request's own `max_queue_wait_s`).
   cause: str = "admitted"
 
   @property

@@ -284,8 +284,10 @@ class EngineLoop:
     self._preempted = []
     for output in outputs:
       tracked = self._tracked.get(output.request_id)
-      # An id no longer tracked ended by the gateway's hand (a stop string, an abort).
-      if tracked is None or tracked.request.request_id != output.request_id:
+      # An id no longer tracked ended by the gateway's hand (a stop string, an abort). A
+      # client may reuse its x-request-id at once: the end of the request that held it
+      # before is reported after, and must not end the new one (still live).
+      if tracked is None or (output.finished and not tracked.request.is_finished):
         continue
       delta = self._advance(tracked, output)
       if delta is not None:
