@@ -39,7 +39,7 @@ it off with `--noignore_eos`) makes every request generate `--output_len` tokens
 loopback hosts are accepted: this is a load generator.
 
 Prints a table and writes `--output` (JSON): the premises (URL, model, every setting,
-Python and httpx versions, host, start time, the server's /v1/models answer), the
+Python and aiohttp versions, host, start time, the server's /v1/models answer), the
 summary and one record per request. `benchmarks.load_client` holds the flag-free
 core (`run_load`, `summarize`) that tests and other benchmarks call.
 """

@@ -17,13 +17,15 @@ import pytest
 
 from experiments import cli
 
-# The client needs httpx; its fake server, FastAPI and uvicorn. None is a kvpage dependency.
+# The client needs aiohttp; its fake server, FastAPI and uvicorn; httpx builds headers
+# here. None is a kvpage dependency.
+pytest.importorskip("aiohttp")
 httpx = pytest.importorskip("httpx")
 fastapi = pytest.importorskip("fastapi")
 responses = pytest.importorskip("fastapi.responses")
 uvicorn = pytest.importorskip("uvicorn")
 
-from benchmarks import load_client as serve_http  # noqa: E402  (after the skips: httpx)
+from benchmarks import load_client as serve_http  # noqa: E402  (after the skips: aiohttp)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HINTS = {"retry-after-ms": "50", "retry-after": "1"}  # the ms hint wins: 0.05 s, not 1 s
@@ -314,7 +316,7 @@ def test_main_prints_a_table_and_writes_the_record(server, tmp_path):
   assert premises["model"] == "fake-model" and premises["endpoint"] == "completions"
   assert premises["config"]["request_rate"] == "inf" and premises["output"] == str(output)
   assert premises["config"]["max_retries"] == 3 and premises["server_models"]["data"]
-  assert {"python", "httpx", "hostname", "started_at", "url"} <= set(premises)
+  assert {"python", "aiohttp", "hostname", "started_at", "url"} <= set(premises)
   assert record["summary"]["served"] == 2 and len(record["requests"]) == 2
   assert record["requests"][0]["attempts"][0]["status"] == 200
 

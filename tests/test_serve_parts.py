@@ -4,6 +4,7 @@ push-back headers, and the scheduler's wait deadlines."""
 import asyncio
 import itertools
 import math
+import types
 
 import hypothesis
 import numpy as np
@@ -18,7 +19,7 @@ from kvpage.host.scheduler import Scheduler
 from kvpage.serve import protocol
 from kvpage.serve.app import MAX_RETRY_AFTER_S, push_back_headers
 from kvpage.serve.detokenize import IncrementalDetokenizer, StopStrings
-from kvpage.serve.engine_loop import EngineLoop, EngineStoppedError, Submission
+from kvpage.serve.engine_loop import Delta, EngineLoop, EngineStoppedError, Stream, Submission
 from kvpage.serve.metrics import ServerMetrics
 from kvpage.sim.clock import PacedClock
 
@@ -273,8 +274,8 @@ def test_the_engine_thread_streams_deltas_and_ends_with_usage():
     assert answer.admitted
     last = await stream.done
     tokens = []
-    while not stream.deltas.empty():
-      tokens += stream.deltas.get_nowait().token_ids
+    for delta in stream.delivered():
+      tokens += delta.token_ids
     return last, tokens
 
   last, tokens = _engine_loop_run(engine, run)
@@ -315,3 +316,23 @@ def test_an_id_reused_at_once_is_not_ended_by_the_report_of_the_request_before()
   first, second = _engine_loop_run(engine, run)
   assert first.finish_reason == "abort"
   assert second.finish_reason == "length" and second.num_output_tokens == 6
+
+
+def test_a_stream_hands_over_deltas_in_order_and_times_out_with_none():
+  async def run():
+    loop = asyncio.get_running_loop()
+    request = types.SimpleNamespace(request_id="a", num_prompt_tokens=3)
+    stream = Stream(request, loop)
+    assert await stream.next(timeout_s=0.01) is None  # nothing came: the status tick
+    stream._deliver(Delta("x", (1,)))
+    stream._deliver(Delta("y", (2,)))
+    first, second = await stream.next(0.01), await stream.next(0.01)
+    waiting = asyncio.ensure_future(stream.next(timeout_s=5.0))
+    await asyncio.sleep(0)
+    loop.call_soon(stream._deliver, Delta("z", (3,), "length", num_output_tokens=3))
+    third = await asyncio.wait_for(waiting, 1.0)  # woken by the delivery, not the timer
+    return first, second, third, stream
+
+  first, second, third, stream = asyncio.run(run())
+  assert [d.text for d in (first, second, third)] == ["x", "y", "z"]
+  assert stream.done.result() is third and stream.delivered() == []

@@ -265,7 +265,7 @@ class Gateway:
   async def _events(self, gen: GenerationRequest, stream: Stream) -> AsyncIterator[bytes]:
     """The SSE stream of one admitted request; aborts it if the client goes away."""
     assert self.loop is not None
-    ended, getter = False, None
+    ended = False
     state, told_waiting = "queueing", False
     try:
       if gen.chat:
@@ -273,19 +273,15 @@ class Gateway:
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                          "logprobs": None, "finish_reason": None}]})
       while True:
-        if state == "running" and getter is None:
-          delta = await stream.deltas.get()
-        else:  # waiting: a status line whenever nothing came for an interval
-          getter = getter or asyncio.ensure_future(stream.deltas.get())
-          done, _ = await asyncio.wait({getter}, timeout=self.config.status_interval_s)
-          if not done:
-            status = await self.loop.status(stream.request_id)
-            if status is not None and status.state != "running":
-              told_waiting = True
-              yield (_sse(self._status_chunk(gen, stream, status)) if gen.include_status
-                     else _comment(status))
-            continue
-          delta, getter = getter.result(), None
+        # While waiting, a status line whenever nothing came for an interval.
+        delta = await stream.next(None if state == "running" else self.config.status_interval_s)
+        if delta is None:
+          status = await self.loop.status(stream.request_id)
+          if status is not None and status.state != "running":
+            told_waiting = True
+            yield (_sse(self._status_chunk(gen, stream, status)) if gen.include_status
+                   else _comment(status))
+          continue
         if delta.preempted:
           state = "preempted"
           continue
@@ -309,8 +305,6 @@ class Gateway:
           yield b"data: [DONE]\n\n"
           return
     finally:
-      if getter is not None:
-        getter.cancel()
       if not ended:  # the client went away (or the server is shutting down)
         self.loop.abort(stream.request_id)
 
@@ -329,9 +323,7 @@ class Gateway:
     if not stream.done.done():
       self.loop.abort(stream.request_id)
       return responses.Response(status_code=499)  # nobody is listening any more
-    deltas = []
-    while not stream.deltas.empty():
-      deltas.append(stream.deltas.get_nowait())
+    deltas = stream.delivered()
     last = stream.done.result()
     if last.finish_reason in ("deadline", "error"):
       raise self._ended_error(last)

@@ -209,7 +209,9 @@ def parse_completion(body: Any) -> GenerationRequest:
     if not prompt:
       raise invalid("prompt", "'prompt' is empty", code="empty_prompt")
     text = prompt
-  elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+  elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+    # `type(t) is int`, not `_is_int`: JSON ints decode to exactly int (no bools, no
+    # subclasses), and a long prompt's ids are checked at a third of the cost.
     ids = list(prompt)
   elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
     raise invalid("prompt", f"'prompt' holds {len(prompt)} prompts; kvpage takes one per "
