@@ -11,6 +11,14 @@ SERVE = [
     "tokenizers>=0.19",
     "jinja2>=3.1",  # chat templates
 ]
+# The figures (experiments/plots.py) and the notebooks; nbclient + ipykernel run them
+# headless (the tests do), Jupyter opens them.
+NOTEBOOKS = [
+    "matplotlib>=3.8",
+    "nbformat>=5.9",
+    "nbclient>=0.10",
+    "ipykernel>=6.29",
+]
 
 setuptools.setup(
     name="kvpage",
@@ -32,15 +40,19 @@ setuptools.setup(
         "absl-py>=2.0",
         "ml-collections>=1.0",
         "safetensors>=0.4",
+        "rich>=13",  # progress bars
     ],
     extras_require={
         # The streaming gateway (`python -m experiments.serve`); transformers for its
         # tokenizer and chat templates only (it loads no torch).
         "serve": SERVE,
+        "notebooks": [*NOTEBOOKS, "jupyterlab>=4"],
         "test": [
             *SERVE,
+            *NOTEBOOKS,
             "openai>=1.40",  # the official client, driven against the server in tests
             "httpx>=0.27",
+            "aiohttp>=3.9",  # benchmarks/serve_http.py's load client, tested here
             "pytest>=8",
             "pytest-xdist>=3.5",  # `pytest -n 2`: two workers, the suite in ~3/4 of the time
             "hypothesis>=6.100",

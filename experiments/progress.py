@@ -1,27 +1,53 @@
-"""A minimal progress bar on stderr for long runs (no dependency, redraws at most 5x/s)."""
+"""Progress bars for long runs: rich's, on stderr, drawn only when stderr is a terminal.
 
-import sys
-import time
+`Bars` is one live display holding any number of bars, so a sweep shows its grid and
+the run in progress at once (rich allows one live display at a time):
+
+  with progress.Bars() as bars:
+    bar = bars.add("serve_bench[sim]", total=400)
+    bar.update(120, "kv 63%")
+"""
+
+import types
+
+from rich import console as rich_console
+from rich import progress as rich_progress
 
 
-class Progress:
-  """`Progress(total, label)`; call `update(done, note)`; `close()` ends the line."""
+class Bar:
+  """One bar of a `Bars` display."""
 
-  def __init__(self, total: int, label: str, enabled: bool = True, width: int = 30):
-    self.total, self.label, self.width = max(total, 1), label, width
-    self.enabled = enabled and sys.stderr.isatty()
-    self._last = 0.0
+  def __init__(self, display: rich_progress.Progress, task: rich_progress.TaskID):
+    self._display, self._task = display, task
 
-  def update(self, done: int, note: str = "") -> None:
-    now = time.monotonic()
-    if not self.enabled or (now - self._last < 0.2 and done < self.total):
-      return
-    self._last = now
-    filled = int(self.width * done / self.total)
-    bar = "#" * filled + "." * (self.width - filled)
-    sys.stderr.write(f"\r{self.label} [{bar}] {done}/{self.total} {note}    ")
-    sys.stderr.flush()
+  def update(self, done: int, note: str = "", label: str | None = None) -> None:
+    """`done` of the total so far, with a short note (and a new label, if given)."""
+    changes = {} if label is None else {"description": label}
+    self._display.update(self._task, completed=done, note=note, **changes)
 
-  def close(self) -> None:
-    if self.enabled:
-      sys.stderr.write("\n")
+  def remove(self) -> None:
+    self._display.remove_task(self._task)
+
+
+class Bars:
+  """A live display of bars on stderr; a no-op when disabled or not on a terminal."""
+
+  def __init__(self, enabled: bool = True):
+    console = rich_console.Console(stderr=True)
+    self.enabled = enabled and console.is_terminal
+    self._display = rich_progress.Progress(
+        rich_progress.TextColumn("{task.description}"), rich_progress.BarColumn(),
+        rich_progress.MofNCompleteColumn(), rich_progress.TimeElapsedColumn(),
+        rich_progress.TextColumn("{task.fields[note]}"),
+        console=console, disable=not self.enabled, refresh_per_second=5)
+
+  def add(self, label: str, total: int) -> Bar:
+    return Bar(self._display, self._display.add_task(label, total=max(total, 1), note=""))
+
+  def __enter__(self) -> "Bars":
+    self._display.start()
+    return self
+
+  def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+               trace: types.TracebackType | None) -> None:
+    self._display.stop()

@@ -10,9 +10,15 @@ the real model behind `JaxExecutor` (`--executor=jax`, random weights or
 `--checkpoint`) or a roofline-priced GPU behind `SimExecutor` (`--executor=sim`) —
 and writes `summary.json`, `steps.jsonl`, `requests.jsonl` and `trace.jsonl` to
 `--workdir`. Scheduler policy: the config's `scheduler` section, overridable with
-`--config.scheduler.KNOB=VALUE` or the shortcut flags below.
+`--config.scheduler.KNOB=VALUE` or the shortcut flags below. `--plot` draws the run's
+timeline and latency CDFs into `timeline.png` (the `notebooks` extra: matplotlib).
+
+`run_bench(config, BenchSettings(...))` is the flag-free core: `experiments/sweep.py`,
+the studies and the notebooks call it, so one cell of a sweep is exactly this run.
 """
 
+import contextlib
+import dataclasses
 import math
 
 import ml_collections
@@ -21,112 +27,210 @@ from absl import flags
 from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import build, cli, progress
+from kvpage.host import scheduler_config
 from kvpage.host.request import SamplingParams
-from kvpage.sim import metrics, premises, replay, workload
+from kvpage.sim import capacity, metrics, premises, replay, workload
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file.")
-_EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"], "Real model or simulated GPU.")
-_HARDWARE = flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
-_NUM_REQUESTS = flags.DEFINE_integer("num_requests", 96, "Requests in the workload.")
-_ARRIVAL_RATE = flags.DEFINE_string("arrival_rate", "40", "Requests/s; `inf` = all at once.")
-_ARRIVAL = flags.DEFINE_string("arrival_process", "poisson", "poisson | gamma:CV (bursty).")
-_PROMPT_LEN = flags.DEFINE_string("prompt_len", "lognormal:64:512",
-                                  "N | uniform:LO:HI | lognormal:MEDIAN:MAX | mix:F:LONG:SHORT")
-_OUTPUT_LEN = flags.DEFINE_string("output_len", "uniform:16:128", "Same forms as --prompt_len.")
-_PRIORITY = flags.DEFINE_string("priority", "0", "N | uniform:LO:HI (lower = more important).")
-_TRACE = flags.DEFINE_string("trace", None, "Replay this JSONL trace instead of synthesizing.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Serve a Hugging Face Llama checkpoint.")
-_IGNORE_EOS = flags.DEFINE_bool("ignore_eos", True, "Generate exactly output_len tokens.")
-_EOS_ID = flags.DEFINE_integer("eos_token_id", None, "Stop token when --noignore_eos.")
-_SEED = flags.DEFINE_integer("seed", 0, "Workload and sampling seed.")
+# A run's settings: each flag is the `BenchSettings` field of its name.
+flags.DEFINE_enum("executor", "jax", ["jax", "sim"], "Real model or simulated GPU.")
+flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
+flags.DEFINE_integer("num_requests", 96, "Requests in the workload.")
+flags.DEFINE_string("arrival_rate", "40", "Requests/s; `inf` = all at once.")
+flags.DEFINE_string("arrival_process", "poisson", "poisson | gamma:CV (bursty).")
+flags.DEFINE_string("prompt_len", "lognormal:64:512",
+                    "N | uniform:LO:HI | lognormal:MEDIAN:MAX | mix:F:LONG:SHORT")
+flags.DEFINE_string("output_len", "uniform:16:128", "Same forms as --prompt_len.")
+flags.DEFINE_string("priority", "0", "N | uniform:LO:HI (lower = more important).")
+flags.DEFINE_string("trace", None, "Replay this JSONL trace instead of synthesizing.")
+flags.DEFINE_string("checkpoint", None, "Serve a Hugging Face Llama checkpoint.")
+flags.DEFINE_bool("ignore_eos", True, "Generate exactly output_len tokens.")
+flags.DEFINE_integer("eos_token_id", None, "Stop token when --noignore_eos.")
+flags.DEFINE_integer("seed", 0, "Workload and sampling seed.")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/serve_bench", "Where results go.")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = auto.")
-_PAGE_SIZE = flags.DEFINE_integer("page_size", None, "Tokens per page (default: config's).")
-_NUM_HOST_PAGES = flags.DEFINE_integer("num_host_pages", None, "Host swap pool pages.")
-_WARMUP = flags.DEFINE_bool(
+flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = auto.")
+flags.DEFINE_integer("page_size", None, "Tokens per page (default: config's).")
+flags.DEFINE_integer("num_host_pages", None, "Host swap pool pages.")
+flags.DEFINE_bool(
     "warmup", True, "jax executor: compile every step shape before the clock starts, so "
     "compilation does not pollute the measured latencies.")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", "workdir/jax_cache", "Persistent XLA compilation cache ('' = off).")
-_SLO_TTFT = flags.DEFINE_float("slo_ttft", None, "TTFT SLO (s) for goodput.")
-_SLO_TPOT = flags.DEFINE_float("slo_tpot", None, "TPOT SLO (s) for goodput.")
+flags.DEFINE_float("slo_ttft", None, "TTFT SLO (s) for goodput.")
+flags.DEFINE_float("slo_tpot", None, "TPOT SLO (s) for goodput.")
+_PLOT = flags.DEFINE_bool("plot", False, "Draw the figures (serve_bench: timeline.png; sweep: "
+                          "curves.png); needs the notebooks extra (matplotlib).")
 _SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
 
 
-def apply_overrides(config: ml_collections.ConfigDict) -> None:
-  """Shortcut scheduler flags into `config.scheduler`, typed like the defaults."""
+@dataclasses.dataclass(frozen=True)
+class BenchSettings:
+  """Everything a serve_bench run takes besides the config: one field per flag above
+  (same names, same defaults), so a sweep can set any of them."""
+
+  executor: str = "jax"
+  hardware: str | None = None
+  num_requests: int = 96
+  arrival_rate: str = "40"
+  arrival_process: str = "poisson"
+  prompt_len: str = "lognormal:64:512"
+  output_len: str = "uniform:16:128"
+  priority: str = "0"
+  trace: str | None = None
+  checkpoint: str | None = None
+  ignore_eos: bool = True
+  eos_token_id: int | None = None
+  seed: int = 0
+  num_pages: int = 0
+  page_size: int | None = None
+  num_host_pages: int | None = None
+  warmup: bool = True
+  slo_ttft: float | None = None
+  slo_tpot: float | None = None
+
+  def check(self) -> None:
+    """Rejects values no run could use, before anything is built."""
+    if self.executor not in ("jax", "sim"):
+      raise ValueError(f"--executor must be jax or sim, got {self.executor!r}")
+    if self.num_pages < 0 or self.num_pages == 1:
+      raise ValueError(f"--num_pages must be 0 (auto) or >= 2 (page 0 is the null page), "
+                       f"got {self.num_pages}")
+    if not 0 <= self.seed < 2**32:
+      raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
+    if self.checkpoint and self.executor == "sim":
+      raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
+    for name, value in (("slo_ttft", self.slo_ttft), ("slo_tpot", self.slo_tpot)):
+      if value is not None and not value > 0:
+        raise ValueError(f"--{name} must be > 0 seconds, got {value}")
+    if self.page_size is not None and self.page_size <= 0:
+      raise ValueError(f"--page_size must be a positive number of tokens, got {self.page_size}")
+    if self.num_host_pages is not None and self.num_host_pages < 0:
+      raise ValueError(f"--num_host_pages must be >= 0, got {self.num_host_pages}")
+
+
+def settings_from_flags() -> BenchSettings:
+  """The settings the command line gave (every field is the flag of its name)."""
+  return BenchSettings(**{field.name: flags.FLAGS[field.name].value
+                          for field in dataclasses.fields(BenchSettings)})
+
+
+def config_from_flags() -> ml_collections.ConfigDict:
+  """`--config` with its overrides and the scheduler shortcut flags applied."""
+  config = cli.load_config(_CONFIG)
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
-  if _PAGE_SIZE.value is not None:
-    if _PAGE_SIZE.value <= 0:
-      raise ValueError(f"--page_size must be a positive number of tokens, got {_PAGE_SIZE.value}")
-    config.cache.page_size = _PAGE_SIZE.value
-  if _NUM_HOST_PAGES.value is not None:
-    if _NUM_HOST_PAGES.value < 0:
-      raise ValueError(f"--num_host_pages must be >= 0, got {_NUM_HOST_PAGES.value}")
-    config.scheduler.num_host_pages = _NUM_HOST_PAGES.value
+  return config
 
 
-def check_flags() -> None:
-  """Rejects flag values no run could use, before anything is built."""
-  if _NUM_PAGES.value < 0 or _NUM_PAGES.value == 1:
-    raise ValueError(f"--num_pages must be 0 (auto) or >= 2 (page 0 is the null page), "
-                     f"got {_NUM_PAGES.value}")
-  if not 0 <= _SEED.value < 2**32:
-    raise ValueError(f"--seed must be in [0, 2**32), got {_SEED.value}")
-  if _CHECKPOINT.value and _EXECUTOR.value == "sim":
-    raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
-  for name, value in (("slo_ttft", _SLO_TTFT.value), ("slo_tpot", _SLO_TPOT.value)):
-    if value is not None and not value > 0:
-      raise ValueError(f"--{name} must be > 0 seconds, got {value}")
+def apply_settings(config: ml_collections.ConfigDict, settings: BenchSettings) -> None:
+  """The settings that live in the config (`page_size`, `num_host_pages`), into it."""
+  if settings.page_size is not None:
+    config.cache.page_size = settings.page_size
+  if settings.num_host_pages is not None:
+    config.scheduler.num_host_pages = settings.num_host_pages
 
 
-def load_trace(config: ml_collections.ConfigDict) -> list[workload.TraceRequest]:
-  if _TRACE.value:
-    return workload.load_jsonl(_TRACE.value)
+def load_trace(config: ml_collections.ConfigDict,
+               settings: BenchSettings) -> list[workload.TraceRequest]:
+  if settings.trace:
+    return workload.load_jsonl(settings.trace)
   try:
-    rate = float(_ARRIVAL_RATE.value)
+    rate = float(settings.arrival_rate)
   except ValueError:
-    raise ValueError(f"--arrival_rate={_ARRIVAL_RATE.value!r} is not a number or inf") from None
+    raise ValueError(f"--arrival_rate={settings.arrival_rate!r} is not a number or inf") from None
   return workload.synthesize(
-      num_requests=_NUM_REQUESTS.value, arrival_rate=rate, prompt_len=_PROMPT_LEN.value,
-      output_len=_OUTPUT_LEN.value, vocab_size=config.model.vocab_size, seed=_SEED.value,
-      arrival_process=_ARRIVAL.value, priority=_PRIORITY.value)
+      num_requests=settings.num_requests, arrival_rate=rate, prompt_len=settings.prompt_len,
+      output_len=settings.output_len, vocab_size=config.model.vocab_size, seed=settings.seed,
+      arrival_process=settings.arrival_process, priority=settings.priority)
+
+
+def prepare(config: ml_collections.ConfigDict, settings: BenchSettings) -> None:
+  """Checks `settings` and applies them to (a copy of) the config: everything that can
+  be refused is refused here, before an engine is built."""
+  settings.check()
+  apply_settings(config, settings)
+  configs_check.check(config)
+  hardware_lib.get_hardware(settings.hardware or config.hardware)
+  if not settings.checkpoint:  # the scheduler's own check, against the length it will get
+    num_pages = settings.num_pages or config.cache.num_pages
+    if settings.executor == "sim":
+      scheduler_config.check(config.scheduler, config.model.max_seq_len)
+    elif num_pages >= 2:
+      scheduler_config.check(config.scheduler, build.max_model_len(
+          config.model, num_pages=num_pages, page_size=config.cache.page_size))
+  eos = settings.eos_token_id
+  if eos is not None and not 0 <= eos < config.model.vocab_size:
+    raise ValueError(f"--eos_token_id {eos} is outside the vocabulary "
+                     f"[0, {config.model.vocab_size})")
+  load_trace(config, settings)  # drawn (or read) once here, so a bad spec fails now
+
+
+def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
+              show_progress: bool = True,
+              bars: progress.Bars | None = None) -> tuple[dict, dict[str, str]]:
+  """One run: builds the engine, replays the workload; returns the summary and the files
+  (`summary.json`, `steps.jsonl`, `requests.jsonl`, `trace.jsonl`) by name."""
+  config = ml_collections.ConfigDict(config.to_dict())  # the caller's stays as it was
+  prepare(config, settings)
+  hardware = hardware_lib.get_hardware(settings.hardware or config.hardware)
+  setup = build.serving_engine(config, executor=settings.executor, hardware=hardware,
+                               checkpoint=settings.checkpoint, num_pages=settings.num_pages)
+  trace = load_trace(setup.config, settings)
+  summary, files = serve(setup, trace, settings, show_progress=show_progress, bars=bars)
+  files["trace.jsonl"] = workload.to_jsonl(trace)
+  return summary, files
 
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
-  check_flags()
-  config = cli.load_config(_CONFIG)
-  apply_overrides(config)
-  configs_check.check(config)
-  hardware = hardware_lib.get_hardware(_HARDWARE.value or config.hardware)
-  eos = _EOS_ID.value
-  if eos is not None and not 0 <= eos < config.model.vocab_size:
-    raise ValueError(f"--eos_token_id {eos} is outside the vocabulary "
-                     f"[0, {config.model.vocab_size})")
+  settings, config = settings_from_flags(), config_from_flags()
+  prepare(ml_collections.ConfigDict(config.to_dict()), settings)
+  if _PLOT.value:
+    from experiments import plots  # fails now, not after the run, without matplotlib
   with cli.workdir(_WORKDIR.value) as workdir:  # fail now, not after the run
     cli.enable_compilation_cache(_COMPILATION_CACHE.value)
-    setup = build.serving_engine(config, executor=_EXECUTOR.value, hardware=hardware,
-                                 checkpoint=_CHECKPOINT.value, num_pages=_NUM_PAGES.value)
-    trace = load_trace(setup.config)
-    summary, files = serve(setup, trace)
-    files["trace.jsonl"] = workload.to_jsonl(trace)
+    summary, files = run_bench(config, settings)
     cli.write_files(workdir, files)
+    if _PLOT.value:
+      plots.save(plots.timeline(summary, plots.read_jsonl(workdir / "steps.jsonl"),
+                                plots.read_jsonl(workdir / "requests.jsonl")),
+                 workdir / "timeline.png")
   print(format_summary(summary))
-  print(f"\nwrote {workdir}/summary.json, steps.jsonl, requests.jsonl, trace.jsonl")
+  written = "summary.json, steps.jsonl, requests.jsonl, trace.jsonl"
+  print(f"\nwrote {workdir}/{written}{', timeline.png' if _PLOT.value else ''}")
 
 
-def serve(setup: build.ServingSetup,
-          trace: list[workload.TraceRequest]) -> tuple[dict, dict[str, str]]:
-  """Replays `trace` through the engine; returns the summary and the files to write."""
-  stop_ids = () if _IGNORE_EOS.value or _EOS_ID.value is None else (_EOS_ID.value,)
+def kv_waste(setup: build.ServingSetup, rows: list[dict]) -> dict | None:
+  """The KV memory the run's finished requests held under paging (partial last pages)
+  against contiguous max-length reservation, from their own lengths; None if none
+  finished."""
+  lengths = [row["prompt_tokens"] + row["output_tokens"] for row in rows
+             if row["finish_reason"] in ("length", "stop")]
+  if not lengths:
+    return None
+  model = setup.config.model
+  max_len = setup.engine.scheduler.max_model_len
+  shape = capacity.ModelShape.from_config(model)
+  waste = capacity.fragmentation(
+      [min(n, max_len) for n in lengths], max_len=max_len,
+      page_size=setup.config.cache.page_size,
+      kv_bytes_per_token=capacity.kv_bytes_per_token(shape, model.dtype))
+  return dataclasses.asdict(waste)
+
+
+def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
+          settings: BenchSettings, *, show_progress: bool = True,
+          bars: progress.Bars | None = None) -> tuple[dict, dict[str, str]]:
+  """Replays `trace` through the engine; returns the summary and the files to write.
+  Its progress bar joins `bars` if given (a sweep's display), else a display of its own."""
+  stop_ids = (() if settings.ignore_eos or settings.eos_token_id is None
+              else (settings.eos_token_id,))
 
   def make_sampling(item: workload.TraceRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=item.output_len, seed=_SEED.value,
-                          stop_token_ids=stop_ids, ignore_eos=_IGNORE_EOS.value)
+    return SamplingParams(max_tokens=item.output_len, seed=settings.seed,
+                          stop_token_ids=stop_ids, ignore_eos=settings.ignore_eos)
 
   executor = setup.engine.executor
-  if _WARMUP.value:  # the simulator compiles nothing: its warm-up is a no-op
+  if settings.warmup:  # the simulator compiles nothing: its warm-up is a no-op
     scheduler_config = setup.config.scheduler
     executor.warmup(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens,
                     num_decode_steps=scheduler_config.num_decode_steps)
@@ -134,28 +238,32 @@ def serve(setup: build.ServingSetup,
   # The clock of record starts here, after set-up and warm-up.
   recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock)
   setup.engine.on_step = recorder.on_step
-  bar = progress.Progress(len(trace), f"serve_bench[{_EXECUTOR.value}]")
   scheduler = setup.engine.scheduler
+  with contextlib.ExitStack() as stack:
+    if bars is None:
+      bars = stack.enter_context(progress.Bars(enabled=show_progress))
+    bar = bars.add(f"serve_bench[{settings.executor}]", len(trace))
+    stack.callback(bar.remove)
 
-  def show_progress() -> None:
-    stats = scheduler.stats()
-    bar.update(stats["num_finished"] + stats["num_rejections"], f"kv {stats['kv_usage']:.0%}")
+    def on_step() -> None:
+      stats = scheduler.stats()
+      bar.update(stats["num_finished"] + stats["num_rejections"], f"kv {stats['kv_usage']:.0%}")
 
-  replay.replay(setup.engine, trace, make_sampling=make_sampling, on_submit=recorder.track,
-                on_step=show_progress)
-  bar.close()
+    replay.replay(setup.engine, trace, make_sampling=make_sampling, on_submit=recorder.track,
+                  on_step=on_step)
   record = dict(
-      executor=_EXECUTOR.value, model=setup.config.model.to_dict(),
+      executor=settings.executor, model=setup.config.model.to_dict(),
       dtype=setup.config.model.dtype, hardware=setup.hardware_record,
       num_pages=setup.num_pages, page_size=setup.config.cache.page_size,
-      policies=setup.config.scheduler.to_dict(), seed=_SEED.value,
-      workload=dict(arrival_rate=_ARRIVAL_RATE.value, arrival_process=_ARRIVAL.value,
-                    prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
-                    priority=_PRIORITY.value, trace=_TRACE.value, ignore_eos=_IGNORE_EOS.value,
-                    observed=workload.summarize(trace)),
-      checkpoint=_CHECKPOINT.value, warmup=_WARMUP.value,
+      policies=setup.config.scheduler.to_dict(), seed=settings.seed,
+      workload=dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
+                    prompt_len=settings.prompt_len, output_len=settings.output_len,
+                    priority=settings.priority, trace=settings.trace,
+                    ignore_eos=settings.ignore_eos, observed=workload.summarize(trace)),
+      checkpoint=settings.checkpoint, warmup=settings.warmup,
       compiles_during_run=executor.num_compiles - compiles_before, **premises.environment())
-  summary = recorder.summary(record, _SLO_TTFT.value, _SLO_TPOT.value)
+  summary = recorder.summary(record, settings.slo_ttft, settings.slo_tpot)
+  summary["kv_waste"] = kv_waste(setup, recorder.request_rows())
   return summary, recorder.files(summary)
 
 
@@ -196,6 +304,13 @@ def format_summary(summary: dict) -> str:
       f"  goodput                  {summary['goodput_requests_per_s']:.2f} req/s "
       f"({summary['goodput_fraction']:.0%} of requests; SLO {summary['slo']})",
   ]
+  waste = summary.get("kv_waste")
+  if waste:
+    lines.append(
+        f"  KV waste                 paged {waste['paged_waste']:.1%} (partial last pages) vs "
+        f"{waste['contiguous_waste']:.1%} reserving {waste['max_len']:,} tokens each: "
+        f"{waste['paged_reserved_bytes'] / 2**20:,.1f} vs "
+        f"{waste['contiguous_reserved_bytes'] / 2**20:,.1f} MiB for the finished requests")
   return "\n".join(lines)
 
 

@@ -157,6 +157,7 @@ class MetricsRecorder:
     good = [r for r in done if (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)
             and (slo_tpot_s is None or r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s)]
     rejections = {str(k): v for k, v in stats["rejections"].items()}
+    computed = sum(s["prompt_tokens"] for s in self.steps)
     return dict(
         num_requests=len(rows), num_admitted=stats["num_admitted"], num_finished=len(done),
         num_aborted=sum(r["finish_reason"] in ("aborted", "preempted") for r in rows),
@@ -173,7 +174,11 @@ class MetricsRecorder:
         e2e_s=percentiles([r["e2e_s"] for r in done]),
         prompt_tokens_per_s=sum(r["prompt_tokens"] for r in done) / duration,
         output_tokens_per_s=sum(r["output_tokens"] for r in done) / duration,
-        prefill_tokens_computed=sum(s["prompt_tokens"] for s in self.steps),
+        prefill_tokens_computed=computed,
+        # Prefill computed again after recompute preemptions: beyond each scheduled
+        # request's prompt (computed once), what was thrown away and redone.
+        recomputed_tokens=max(0, computed - sum(r["prompt_tokens"] for r in rows
+                                                if r["queue_wait_s"] is not None)),
         slo=dict(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s),
         goodput_requests_per_s=len(good) / duration,
         goodput_fraction=len(good) / len(rows) if rows else 0.0,

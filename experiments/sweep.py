@@ -1,0 +1,367 @@
+r"""A grid of serve_bench runs over any config keys and serve_bench flags, resumable.
+
+  python -m experiments.sweep --executor=sim --config=configs/llama_13b.py \
+      --hardware=a100_80gb --num_requests=300 --prompt_len=mix:0.1:3000:200 \
+      --sweep=scheduler.prefill_policy=none,chunked --sweep=chunk_size=256,512,2048 \
+      --sweep=arrival_rate=1,2,4,8 --seeds=3 --workdir=workdir/sweep/prefill --plot
+
+Every serve_bench flag sets the base run; each `--sweep=KEY=V1,V2,...` turns one key,
+and the grid is their product times `--seeds` seeds (the base `--seed` and the ones
+after it). A KEY is a serve_bench flag (`arrival_rate`, `prompt_len`, `num_pages`, ...),
+a scheduler shortcut (`chunk_size` is `scheduler.chunk_size`) or any config path
+(`scheduler.watermark`, `cache.page_size`, `model.dtype`); values are typed and checked
+like the flag or the config value they replace. The whole grid is checked before the
+first run: an unknown key, an empty list or a cell no run could take (a chunk larger
+than the token budget, say) is one line of error and nothing runs.
+
+Each cell runs in-process through `serve_bench.run_bench` — the same code as a
+standalone serve_bench run, so a cell's summary is that run's — on the simulator or the
+real model. `--workdir` gets:
+
+  results.jsonl   one row per run, appended as it ends: the cell (swept values, seed),
+                  the flat metrics, the whole summary (with its premises)
+  results.csv     the tidy table: one line per run, swept values then metrics
+  sweep.json      the base settings and the grid; a later run with other base settings
+                  is refused, one with more values resumes (done cells are skipped)
+  curves.png      with --plot: the standard metrics against the load, one line per policy
+  runs/CELL_ID/   with --keep_runs: each run's serve_bench files
+"""
+
+import csv
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ml_collections
+from absl import flags
+
+from experiments import cli, progress, serve_bench
+
+_SWEEP = flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,... (repeat for a grid).")
+_SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell: --seed, --seed + 1, ...")
+_PLOT_X = flags.DEFINE_string("plot_x", None, "The load axis of curves.png (default: "
+                              "arrival_rate if swept, else the first numeric swept key).")
+_KEEP_RUNS = flags.DEFINE_bool("keep_runs", False, "Keep each run's files in runs/CELL_ID/.")
+flags.FLAGS.set_default("workdir", "workdir/sweep")
+
+RESULTS, TABLE, MANIFEST, CURVES = "results.jsonl", "results.csv", "sweep.json", "curves.png"
+SETTINGS = tuple(field.name for field in dataclasses.fields(serve_bench.BenchSettings))
+# The figures of a row, flat: name -> how to read it from a serve_bench summary.
+METRICS: dict[str, Callable[[dict], Any]] = {
+    "num_requests": lambda s: s["num_requests"],
+    "num_finished": lambda s: s["num_finished"],
+    "num_rejected": lambda s: s["num_rejected"],
+    "rejected_429": lambda s: s["rejections"].get("429", 0),
+    "rejected_503": lambda s: s["rejections"].get("503", 0),
+    "rejected_400": lambda s: s["rejections"].get("400", 0),
+    "num_preemptions": lambda s: s["num_preemptions"],
+    "max_kv_usage": lambda s: s["max_kv_usage"],
+    "queue_wait_p50_s": lambda s: s["queue_wait_s"]["p50"],
+    "queue_wait_p99_s": lambda s: s["queue_wait_s"]["p99"],
+    "ttft_p50_s": lambda s: s["ttft_s"]["p50"],
+    "ttft_p99_s": lambda s: s["ttft_s"]["p99"],
+    "tpot_p50_s": lambda s: s["tpot_s"]["p50"],
+    "tpot_p99_s": lambda s: s["tpot_s"]["p99"],
+    "itl_p99_s": lambda s: s["itl_s"]["p99"],
+    "max_stall_s": lambda s: s["itl_s"]["max"],  # the longest gap between two tokens
+    "e2e_p50_s": lambda s: s["e2e_s"]["p50"],
+    "output_tokens_per_s": lambda s: s["output_tokens_per_s"],
+    "prompt_tokens_per_s": lambda s: s["prompt_tokens_per_s"],
+    "goodput_requests_per_s": lambda s: s["goodput_requests_per_s"],
+    "goodput_fraction": lambda s: s["goodput_fraction"],
+    "recomputed_tokens": lambda s: s["recomputed_tokens"],
+    "duration_s": lambda s: s["duration_s"],
+    "paged_kv_waste": lambda s: (s.get("kv_waste") or {}).get("paged_waste"),
+    "contiguous_kv_waste": lambda s: (s.get("kv_waste") or {}).get("contiguous_waste"),
+}
+DEFAULT_CURVES = ("output_tokens_per_s", "ttft_p99_s", "tpot_p99_s", "max_stall_s",
+                  "queue_wait_p99_s", "num_rejected")
+
+
+def flatten(summary: dict) -> dict[str, Any]:
+  """The row's figures, by `METRICS` name."""
+  return {name: read(summary) for name, read in METRICS.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """One swept key: a serve_bench setting or a config path, and its typed values."""
+
+  key: str  # a `BenchSettings` field, or a dotted config path
+  values: tuple[Any, ...]
+
+  @property
+  def is_setting(self) -> bool:
+    return self.key in SETTINGS
+
+
+def _config_value(config: ml_collections.ConfigDict, path: str) -> Any:
+  node: Any = config
+  for part in path.split("."):
+    if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+      raise KeyError(part)
+    node = node[part]
+  return node
+
+
+def _typed(text: str, like: Any, key: str) -> Any:
+  """`text` as the type of the config value `like` it replaces."""
+  if isinstance(like, bool):
+    if text.lower() not in ("true", "false", "1", "0"):
+      raise ValueError(f"--sweep {key}: {text!r} is not a boolean (true/false)")
+    return text.lower() in ("true", "1")
+  if isinstance(like, (int, float)):
+    try:
+      return type(like)(text)
+    except ValueError:
+      raise ValueError(f"--sweep {key}: {text!r} is not {type(like).__name__}") from None
+  if isinstance(like, str) or like is None:
+    return text
+  raise ValueError(f"--sweep {key}: the config value there is a {type(like).__name__}, "
+                   "not a number, boolean or string")
+
+
+def parse_axis(text: str, config: ml_collections.ConfigDict) -> Axis:
+  """`KEY=V1,V2,...` as an `Axis`, its key resolved and its values typed."""
+  key, equals, listed = text.partition("=")
+  key = key.strip()
+  if not equals or not key:
+    raise ValueError(f"--sweep={text!r} must be KEY=V1,V2,...")
+  values = [value.strip() for value in listed.split(",")]
+  if not listed.strip() or any(not value for value in values):
+    raise ValueError(f"--sweep {key}: the value list {listed!r} is empty or has an empty item")
+  if len(set(values)) < len(values):
+    raise ValueError(f"--sweep {key}: the values {listed!r} repeat")
+  if key == "seed":
+    raise ValueError("--sweep seed: use --seeds=N (seeds --seed, --seed + 1, ...)")
+  if key in cli.SCHEDULER_SHORTCUTS:
+    key = f"scheduler.{key}"
+  if key in SETTINGS:
+    parser = flags.FLAGS[key].parser  # the flag's own: its type and its choices
+    try:
+      return Axis(key, tuple(parser.parse(value) for value in values))
+    except (flags.Error, ValueError) as error:
+      raise ValueError(f"--sweep {key}: {error}") from None
+  try:
+    like = _config_value(config, key)
+  except KeyError as error:
+    raise ValueError(f"--sweep {key}: no serve_bench flag and no config key of that name "
+                     f"(the config has no {error.args[0]!r})") from None
+  if isinstance(like, ml_collections.ConfigDict):
+    raise ValueError(f"--sweep {key}: that is a config section, not a value")
+  return Axis(key, tuple(_typed(value, like, key) for value in values))
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+  """One run of the grid."""
+
+  values: dict[str, Any]  # swept key -> value, then "seed"
+  config: ml_collections.ConfigDict
+  settings: serve_bench.BenchSettings
+
+  @property
+  def cell_id(self) -> str:
+    return cell_id(self.values)
+
+  def describe(self) -> str:
+    return " ".join(f"{key.split('.')[-1]}={value}" for key, value in self.values.items())
+
+
+def cell_id(values: dict[str, Any]) -> str:
+  return hashlib.sha1(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def plan(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
+         axes: Sequence[Axis], seeds: Sequence[int]) -> list[Cell]:
+  """Every cell of the grid, each checked as its run would check it: a cell no run
+  could take raises `ValueError` naming the cell, before anything runs."""
+  keys = [axis.key for axis in axes]
+  if len(set(keys)) < len(keys):
+    raise ValueError(f"--sweep names a key twice: {sorted(k for k in keys if keys.count(k) > 1)}")
+  if not seeds:
+    raise ValueError("--seeds must be >= 1")
+  cells = []
+  for combination in itertools.product(*(axis.values for axis in axes), seeds):
+    *swept, seed = combination
+    values = dict(zip(keys, swept, strict=True)) | {"seed": seed}
+    cell_config = ml_collections.ConfigDict(config.to_dict())
+    changes: dict[str, Any] = {"seed": seed}
+    for axis, value in zip(axes, swept, strict=True):
+      if axis.is_setting:
+        changes[axis.key] = value
+      else:
+        section, _, name = axis.key.rpartition(".")
+        node = _config_value(cell_config, section) if section else cell_config
+        node[name] = value
+    cell = Cell(values, cell_config, dataclasses.replace(settings, **changes))
+    try:  # what run_bench would refuse, refused now (on a copy: prepare applies settings)
+      serve_bench.prepare(ml_collections.ConfigDict(cell_config.to_dict()), cell.settings)
+    except ValueError as error:
+      raise ValueError(f"the cell {cell.describe()} cannot run: {error}") from None
+    cells.append(cell)
+  return cells
+
+
+def manifest(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
+             axes: Sequence[Axis], seeds: Sequence[int]) -> dict[str, Any]:
+  swept = {axis.key for axis in axes} | {"seed"}
+  return dict(
+      base=dict(settings={k: v for k, v in dataclasses.asdict(settings).items()
+                          if k not in swept},
+                config=config.to_dict()),
+      axes={axis.key: list(axis.values) for axis in axes}, seeds=list(seeds))
+
+
+def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+  if isinstance(old, dict) and isinstance(new, dict):
+    return [difference for key in sorted(set(old) | set(new))
+            for difference in _differences(old.get(key), new.get(key), f"{prefix}{key}.")]
+  return [] if old == new else [prefix.rstrip(".")]
+
+
+def check_manifest(directory: pathlib.Path, record: dict[str, Any]) -> None:
+  """Refuses a workdir that holds a sweep of other base settings (its rows would mix)."""
+  path = directory / MANIFEST
+  if not path.exists():
+    return
+  old = json.loads(path.read_text())
+  differences = _differences(json.loads(json.dumps(old["base"])),
+                             json.loads(json.dumps(record["base"])))
+  if differences:
+    raise ValueError(f"--workdir {directory} holds a sweep of other base settings (they "
+                     f"differ in {', '.join(differences[:5])}); pass a new --workdir, or the "
+                     "same base flags to resume it")
+
+
+def read_rows(directory: pathlib.Path) -> list[dict[str, Any]]:
+  """The rows written so far; a last line cut short by a crash is dropped (and rerun)."""
+  path = directory / RESULTS
+  if not path.exists():
+    return []
+  rows, lines = [], path.read_text().splitlines()
+  for number, line in enumerate(lines, 1):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      if number < len(lines):
+        raise ValueError(f"{path}:{number} is not a JSON row; the results file is "
+                         "damaged (remove the line to rerun that cell)") from None
+      path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  return rows
+
+
+def tidy_table(rows: Sequence[dict[str, Any]]) -> str:
+  """The CSV: cell id, swept values, then every metric; one line per run."""
+  keys = list(dict.fromkeys(key for row in rows for key in row["cell"]))
+  out = io.StringIO()
+  writer = csv.writer(out)
+  writer.writerow(["cell_id", *keys, *METRICS])
+  for row in rows:
+    writer.writerow([row["cell_id"], *(row["cell"].get(key) for key in keys),
+                     *(row["metrics"].get(name) for name in METRICS)])
+  return out.getvalue()
+
+
+def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: bool = True,
+              keep_runs: bool = False) -> list[dict[str, Any]]:
+  """Runs the cells not done yet, appending a row to results.jsonl as each ends; returns
+  the rows of every cell (done before or now), in grid order."""
+  done = {row["cell_id"]: row for row in read_rows(directory)}
+  todo = [cell for cell in cells if cell.cell_id not in done]
+  with progress.Bars(enabled=show_progress) as bars:
+    grid = bars.add(f"sweep {len(cells) - len(todo)}/{len(cells)} done", len(todo))
+    for number, cell in enumerate(todo):
+      grid.update(number, cell.describe())
+      summary, files = serve_bench.run_bench(cell.config, cell.settings, bars=bars)
+      row = dict(cell_id=cell.cell_id, cell=cell.values, metrics=flatten(summary),
+                 summary=summary, premises=summary["premises"])
+      if keep_runs:
+        run_directory = directory / "runs" / cell.cell_id
+        run_directory.mkdir(parents=True, exist_ok=True)
+        cli.write_files(run_directory, files)
+      with (directory / RESULTS).open("a") as results:  # one write per row
+        results.write(json.dumps(row) + "\n")
+      done[cell.cell_id] = row
+      cli.write_files(directory, {TABLE: tidy_table([done[c.cell_id] for c in cells
+                                                     if c.cell_id in done])})
+    grid.update(len(todo), "done")
+  rows = [done[cell.cell_id] for cell in cells]
+  cli.write_files(directory, {TABLE: tidy_table(rows)})
+  return rows
+
+
+def default_x(axes: Sequence[Axis]) -> str:
+  """The load axis of the curves: arrival_rate if swept, else the first numeric key."""
+  keys = [axis.key for axis in axes]
+  if "arrival_rate" in keys:
+    return "arrival_rate"
+  for axis in axes:
+    try:
+      [float(value) for value in axis.values]
+      return axis.key
+    except (TypeError, ValueError):
+      continue
+  raise ValueError("--plot needs a numeric swept key for the x axis (e.g. "
+                   "--sweep=arrival_rate=1,2,4); none of the swept keys is numeric")
+
+
+def axes_from_flags(config: ml_collections.ConfigDict) -> list[Axis]:
+  if not _SWEEP.value:
+    raise ValueError("no --sweep=KEY=V1,V2,... given: nothing to sweep")
+  return [parse_axis(text, config) for text in _SWEEP.value]
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  settings, config = serve_bench.settings_from_flags(), serve_bench.config_from_flags()
+  axes = axes_from_flags(config)
+  if _SEEDS.value < 1:
+    raise ValueError(f"--seeds must be >= 1, got {_SEEDS.value}")
+  seeds = [settings.seed + i for i in range(_SEEDS.value)]
+  cells = plan(config, settings, axes, seeds)
+  x = _PLOT_X.value or (default_x(axes) if flags.FLAGS.plot else None)
+  if flags.FLAGS.plot:
+    from experiments import plots  # fails now, not after the runs, without matplotlib
+    if x not in [axis.key for axis in axes]:
+      raise ValueError(f"--plot_x={x!r} is not a swept key ({[axis.key for axis in axes]})")
+  record = manifest(config, settings, axes, seeds)
+  with cli.workdir(flags.FLAGS.workdir) as directory:
+    check_manifest(directory, record)
+    cli.write_files(directory, {MANIFEST: json.dumps(record, indent=2)})
+    cli.enable_compilation_cache(flags.FLAGS.compilation_cache)
+    rows = run_cells(cells, directory, keep_runs=_KEEP_RUNS.value)
+    if flags.FLAGS.plot:
+      plots.save(plots.sweep_curves(rows, x=x, metrics=DEFAULT_CURVES, title="kvpage sweep"),
+                 directory / CURVES)
+  print(format_table(rows))
+  print(f"\nwrote {directory}/{RESULTS}, {TABLE}, {MANIFEST}"
+        f"{', ' + CURVES if flags.FLAGS.plot else ''}")
+
+
+def _figure(value: Any, scale: float = 1.0, digits: int = 1) -> str:
+  return "n/a" if value is None else f"{scale * value:,.{digits}f}"
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+  keys = list(dict.fromkeys(key for row in rows for key in row["cell"]))
+  names = [key.split(".")[-1] for key in keys]
+  header = [*names, "tok/s", "TTFT p99 ms", "TPOT p99 ms", "stall ms", "rejected", "preempt"]
+  lines = ["  ".join(f"{name:>11}" for name in header)]
+  for row in rows:
+    m = row["metrics"]
+    cells = [str(row["cell"][key]) for key in keys] + [
+        _figure(m["output_tokens_per_s"], digits=0), _figure(m["ttft_p99_s"], 1e3),
+        _figure(m["tpot_p99_s"], 1e3), _figure(m["max_stall_s"], 1e3),
+        str(m["num_rejected"]), str(m["num_preemptions"])]
+    lines.append("  ".join(f"{cell:>11}" for cell in cells))
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,147 @@
+"""`experiments/sweep.py`: a grid of serve_bench runs, resumable, checked up front; and
+the figures of `experiments/plots.py`."""
+
+import csv
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+from cli_harness import ROOT, Worker, assert_one_error_line
+
+from experiments import serve_bench, sweep
+
+# The simulated 13B: deterministic (virtual time), and a few ms of host work per run.
+BASE = ["--executor=sim", "--config=configs/llama_13b.py", "--hardware=a100_80gb",
+        "--num_requests=24", "--prompt_len=mix:0.2:1500:100", "--output_len=uniform:8:48",
+        "--seed=3"]
+
+
+@pytest.fixture(scope="module")
+def sweep_worker():
+  worker = Worker("sweep")
+  yield worker
+  worker.close()
+
+
+def rows_of(directory) -> list[dict]:
+  return [json.loads(line) for line in (directory / "results.jsonl").read_text().splitlines()]
+
+
+def test_a_cell_equals_a_standalone_serve_bench_run(sweep_worker, tmp_path):
+  rc, stderr = sweep_worker.run([*BASE, "--sweep=chunk_size=256,1024", "--sweep=arrival_rate=6",
+                                 f"--workdir={tmp_path}/sweep"])
+  assert rc == 0, stderr
+  standalone = subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", *BASE, "--chunk_size=256",
+       "--arrival_rate=6", f"--workdir={tmp_path}/alone"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert standalone.returncode == 0, standalone.stderr
+  alone = json.loads((tmp_path / "alone" / "summary.json").read_text())
+  rows = {row["cell"]["scheduler.chunk_size"]: row for row in rows_of(tmp_path / "sweep")}
+  assert set(rows) == {256, 1024}
+  assert rows[256]["summary"] == alone  # every figure and every premise
+  assert rows[256]["metrics"] == sweep.flatten(alone)
+  assert rows[1024]["summary"]["premises"]["policies"]["chunk_size"] == 1024
+  assert rows[1024]["summary"] != alone
+
+
+def test_a_sweep_resumes_skipping_done_cells(sweep_worker, tmp_path):
+  argv = [*BASE, "--sweep=watermark=0.05,0.3", "--seeds=2", f"--workdir={tmp_path}"]
+  assert sweep_worker.run(argv) == (0, "")
+  first = rows_of(tmp_path)
+  assert [(r["cell"]["scheduler.watermark"], r["cell"]["seed"]) for r in first] == [
+      (0.05, 3), (0.05, 4), (0.3, 3), (0.3, 4)]
+  assert sweep_worker.run(argv)[0] == 0
+  assert rows_of(tmp_path) == first  # nothing ran again
+  # A crash mid-row: the cut line is dropped and its cell runs again.
+  text = (tmp_path / "results.jsonl").read_text()
+  (tmp_path / "results.jsonl").write_text(text[:len(text) - 40])
+  wider = [*BASE, "--sweep=watermark=0.05,0.3,0.15", "--seeds=2", f"--workdir={tmp_path}"]
+  assert sweep_worker.run(wider)[0] == 0
+  rows = rows_of(tmp_path)
+  assert rows[:3] == first[:3] and len(rows) == 6
+  assert {r["cell"]["scheduler.watermark"] for r in rows[3:]} == {0.3, 0.15}
+  with open(tmp_path / "results.csv") as f:
+    table = list(csv.DictReader(f))
+  assert len(table) == 6 and {"scheduler.watermark", "seed", "ttft_p99_s"} <= set(table[0])
+  # Other base settings would mix two experiments in one table: refused.
+  rc, stderr = sweep_worker.run([*wider, "--num_requests=30"])
+  assert rc == 2 and "holds a sweep of other base settings" in stderr
+  assert "num_requests" in stderr
+
+
+@pytest.mark.parametrize("flags,message", [
+    ([], "nothing to sweep"),
+    (["--sweep=chunk_size"], "must be KEY=V1,V2"),
+    (["--sweep=chunk_size="], "empty"),
+    (["--sweep=chunk_size=256,,512"], "empty item"),
+    (["--sweep=chunk_size=256,256"], "repeat"),
+    (["--sweep=chunk_sise=256"], "no serve_bench flag and no config key"),
+    (["--sweep=scheduler.nope=1"], "the config has no 'nope'"),
+    (["--sweep=scheduler=1"], "a config section"),
+    (["--sweep=chunk_size=big"], "'big' is not int"),
+    (["--sweep=executor=gpu"], "--sweep executor"),
+    (["--sweep=num_requests=ten"], "--sweep num_requests"),
+    (["--sweep=seed=1,2"], "use --seeds"),
+    (["--sweep=chunk_size=1", "--sweep=scheduler.chunk_size=2"], "names a key twice"),
+    (["--sweep=chunk_size=256", "--seeds=0"], "--seeds must be >= 1"),
+    # A cell no run could take, caught before the first run starts.
+    (["--sweep=prefill_policy=chunked,none"], "the cell prefill_policy=none seed=3 cannot run"),
+    (["--sweep=watermark=0.1,1.5"], "watermark must be a fraction"),
+    (["--sweep=arrival_rate=2,fast"], "is not a number or inf"),
+    (["--sweep=chunk_size=256", "--plot", "--plot_x=seed"], "--plot_x='seed' is not a swept"),
+])
+def test_bad_grids_are_one_line_before_any_run(sweep_worker, tmp_path, flags, message):
+  argv = [*BASE, *flags, f"--workdir={tmp_path}/sweep"]
+  rc, stderr = sweep_worker.run(argv)
+  assert_one_error_line(rc, stderr, argv)
+  assert rc == 2 and message in stderr, stderr
+  assert not (tmp_path / "sweep").exists()
+
+
+def test_bench_settings_mirror_the_flags():
+  # A sweep sets any flag through `BenchSettings`: the two must not drift apart.
+  from absl import flags
+
+  for field in dataclasses.fields(serve_bench.BenchSettings):
+    assert flags.FLAGS[field.name].default == field.default, field.name
+
+
+def test_the_summary_measures_kv_waste_of_the_run(tmp_path):
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", *BASE, "--arrival_rate=4",
+       f"--workdir={tmp_path}", "--plot"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stderr
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+  lengths = [r["prompt_tokens"] + r["output_tokens"] for r in rows
+             if r["finish_reason"] in ("length", "stop")]
+  waste = summary["kv_waste"]
+  page = summary["premises"]["page_size"]
+  assert waste["used_tokens"] == sum(lengths) and waste["max_len"] == 4096
+  assert waste["paged_reserved_tokens"] == sum(-(-n // page) * page for n in lengths)
+  assert waste["contiguous_reserved_tokens"] == 4096 * len(lengths)
+  assert 0 < waste["paged_waste"] < 1 / 3 < waste["contiguous_waste"] < 1
+  assert "KV waste" in result.stdout
+  assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_curves_draw_one_line_per_policy(tmp_path):
+  plots = pytest.importorskip("experiments.plots")
+  premises = dict(model=dict(name="m"), dtype="fp16", hardware=dict(name="h"),
+                  policies=dict(chunk_size=256), workload={}, packages={})
+  rows = [dict(cell={"scheduler.chunk_size": chunk, "arrival_rate": rate, "seed": seed},
+               metrics={"ttft_p99_s": rate * chunk / 1e3 + seed, "num_rejected": None},
+               premises=premises)
+          for chunk in (256, 512) for rate in (1.0, 2.0, 4.0) for seed in (0, 1)]
+  fig = plots.sweep_curves(rows, x="arrival_rate", metrics=["ttft_p99_s", "num_rejected"])
+  lines = fig.axes[0].get_legend_handles_labels()[1]
+  assert lines == ["chunk_size=256", "chunk_size=512"]
+  # The mean over seeds 0 and 1, in milliseconds.
+  assert fig.axes[0].lines[0].get_ydata().tolist() == pytest.approx(
+      [1e3 * (r * 0.256 + 0.5) for r in (1.0, 2.0, 4.0)])
+  assert "chunk=swept" in fig.get_suptitle() and "seed swept" in fig.get_suptitle()
+  assert plots.save(fig, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
