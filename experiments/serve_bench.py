@@ -45,6 +45,10 @@ flags.DEFINE_string("priority", "0", "N | uniform:LO:HI (lower = more important)
 flags.DEFINE_string("trace", None, "Replay this JSONL trace instead of synthesizing.")
 flags.DEFINE_string("checkpoint", None, "Serve a Hugging Face Llama checkpoint.")
 flags.DEFINE_bool("ignore_eos", True, "Generate exactly output_len tokens.")
+flags.DEFINE_integer(
+    "max_tokens", 0, "0: each request asks for its output length. N > 0: each asks for "
+    "max(N, its output length) but ends (as at an EOS) after its output length, as clients "
+    "who ask for more than they use; the output estimate policies see the difference.")
 flags.DEFINE_integer("eos_token_id", None, "Stop token when --noignore_eos.")
 flags.DEFINE_integer("seed", 0, "Workload and sampling seed.")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/serve_bench", "Where results go.")
@@ -79,6 +83,7 @@ class BenchSettings:
   trace: str | None = None
   checkpoint: str | None = None
   ignore_eos: bool = True
+  max_tokens: int = 0
   eos_token_id: int | None = None
   seed: int = 0
   num_pages: int = 0
@@ -104,6 +109,9 @@ class BenchSettings:
         raise ValueError(f"--{name} must be > 0 seconds, got {value}")
     if self.page_size is not None and self.page_size <= 0:
       raise ValueError(f"--page_size must be a positive number of tokens, got {self.page_size}")
+    if not 0 <= self.max_tokens <= workload.MAX_LENGTH:
+      raise ValueError(f"--max_tokens must be in [0, {workload.MAX_LENGTH:,}], got "
+                       f"{self.max_tokens}")
     if self.num_host_pages is not None and self.num_host_pages < 0:
       raise ValueError(f"--num_host_pages must be >= 0, got {self.num_host_pages}")
 
@@ -144,8 +152,8 @@ def load_trace(config: ml_collections.ConfigDict,
 
 
 def prepare(config: ml_collections.ConfigDict, settings: BenchSettings) -> None:
-  """Checks `settings` and applies them to (a copy of) the config: everything that can
-  be refused is refused here, before an engine is built."""
+  """Checks `settings` and applies them to `config` (pass a copy to keep yours):
+  everything a run could refuse is refused here, before an engine is built."""
   settings.check()
   apply_settings(config, settings)
   configs_check.check(config)
@@ -226,8 +234,18 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
               else (settings.eos_token_id,))
 
   def make_sampling(item: workload.TraceRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=item.output_len, seed=settings.seed,
-                          stop_token_ids=stop_ids, ignore_eos=settings.ignore_eos)
+    return SamplingParams(max_tokens=max(item.output_len, settings.max_tokens),
+                          seed=settings.seed, stop_token_ids=stop_ids,
+                          ignore_eos=settings.ignore_eos)
+
+  # With --max_tokens, a request asks for more than it uses: it ends after its own
+  # output length, with finish reason "stop", before the next step (as an EOS would).
+  lengths = {item.request_id: item.output_len for item in trace}
+
+  def stop_at_own_length() -> None:
+    for request in list(setup.engine.scheduler.running):
+      if request.num_output_tokens >= lengths.get(request.request_id, math.inf):
+        setup.engine.abort(request.request_id, "stop")
 
   executor = setup.engine.executor
   if settings.warmup:  # the simulator compiles nothing: its warm-up is a no-op
@@ -246,6 +264,8 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
     stack.callback(bar.remove)
 
     def on_step() -> None:
+      if settings.max_tokens:
+        stop_at_own_length()
       stats = scheduler.stats()
       bar.update(stats["num_finished"] + stats["num_rejections"], f"kv {stats['kv_usage']:.0%}")
 
@@ -259,7 +279,8 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
       workload=dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
                     prompt_len=settings.prompt_len, output_len=settings.output_len,
                     priority=settings.priority, trace=settings.trace,
-                    ignore_eos=settings.ignore_eos, observed=workload.summarize(trace)),
+                    ignore_eos=settings.ignore_eos, max_tokens=settings.max_tokens,
+                    observed=workload.summarize(trace)),
       checkpoint=settings.checkpoint, warmup=settings.warmup,
       compiles_during_run=executor.num_compiles - compiles_before, **premises.environment())
   summary = recorder.summary(record, settings.slo_ttft, settings.slo_tpot)

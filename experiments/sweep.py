@@ -179,25 +179,37 @@ def cell_id(values: dict[str, Any]) -> str:
 
 def plan(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
          axes: Sequence[Axis], seeds: Sequence[int]) -> list[Cell]:
-  """Every cell of the grid, each checked as its run would check it: a cell no run
-  could take raises `ValueError` naming the cell, before anything runs."""
+  """Every cell of the grid `axes` x `seeds`, each checked as its run would check it."""
   keys = [axis.key for axis in axes]
   if len(set(keys)) < len(keys):
     raise ValueError(f"--sweep names a key twice: {sorted(k for k in keys if keys.count(k) > 1)}")
+  combinations = [dict(zip(keys, values, strict=True))
+                  for values in itertools.product(*(axis.values for axis in axes))]
+  return plan_cells(config, settings, combinations, seeds)
+
+
+def plan_cells(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
+               combinations: Sequence[dict[str, Any]], seeds: Sequence[int]) -> list[Cell]:
+  """A cell per combination (key -> value: a `BenchSettings` field or a config path) and
+  seed, each checked as its run would check it: a cell no run could take raises
+  `ValueError` naming the cell, before anything runs. Studies whose grid is not a
+  product (prefill-first has no chunk size) list their combinations here."""
   if not seeds:
     raise ValueError("--seeds must be >= 1")
   cells = []
-  for combination in itertools.product(*(axis.values for axis in axes), seeds):
-    *swept, seed = combination
-    values = dict(zip(keys, swept, strict=True)) | {"seed": seed}
+  for combination, seed in itertools.product(combinations, seeds):
+    values = dict(combination) | {"seed": seed}
     cell_config = ml_collections.ConfigDict(config.to_dict())
     changes: dict[str, Any] = {"seed": seed}
-    for axis, value in zip(axes, swept, strict=True):
-      if axis.is_setting:
-        changes[axis.key] = value
+    for key, value in combination.items():
+      if key in SETTINGS:
+        changes[key] = value
       else:
-        section, _, name = axis.key.rpartition(".")
-        node = _config_value(cell_config, section) if section else cell_config
+        section, _, name = key.rpartition(".")
+        try:
+          node = _config_value(cell_config, section) if section else cell_config
+        except KeyError as error:
+          raise ValueError(f"no config key {key!r} (no {error.args[0]!r})") from None
         node[name] = value
     cell = Cell(values, cell_config, dataclasses.replace(settings, **changes))
     try:  # what run_bench would refuse, refused now (on a copy: prepare applies settings)
@@ -209,13 +221,19 @@ def plan(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
 
 
 def manifest(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
-             axes: Sequence[Axis], seeds: Sequence[int]) -> dict[str, Any]:
-  swept = {axis.key for axis in axes} | {"seed"}
+             cells: Sequence[Cell]) -> dict[str, Any]:
+  """The base settings (what no cell changes) and the grid, for sweep.json."""
+  swept = {key for cell in cells for key in cell.values}
+  grid: dict[str, list[Any]] = {}
+  for cell in cells:
+    for key, value in cell.values.items():
+      if value not in grid.setdefault(key, []):
+        grid[key].append(value)
   return dict(
       base=dict(settings={k: v for k, v in dataclasses.asdict(settings).items()
                           if k not in swept},
                 config=config.to_dict()),
-      axes={axis.key: list(axis.values) for axis in axes}, seeds=list(seeds))
+      grid=grid, num_cells=len(cells))
 
 
 def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -266,6 +284,18 @@ def tidy_table(rows: Sequence[dict[str, Any]]) -> str:
     writer.writerow([row["cell_id"], *(row["cell"].get(key) for key in keys),
                      *(row["metrics"].get(name) for name in METRICS)])
   return out.getvalue()
+
+
+def run_sweep(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
+              cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: bool = True,
+              keep_runs: bool = False) -> list[dict[str, Any]]:
+  """`run_cells` in `directory` after checking and writing its sweep.json: the whole of a
+  sweep, for studies and notebooks."""
+  directory.mkdir(parents=True, exist_ok=True)
+  record = manifest(config, settings, cells)
+  check_manifest(directory, record)
+  cli.write_files(directory, {MANIFEST: json.dumps(record, indent=2)})
+  return run_cells(cells, directory, show_progress=show_progress, keep_runs=keep_runs)
 
 
 def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: bool = True,
@@ -330,12 +360,9 @@ def main(argv: list[str]) -> None:
     from experiments import plots  # fails now, not after the runs, without matplotlib
     if x not in [axis.key for axis in axes]:
       raise ValueError(f"--plot_x={x!r} is not a swept key ({[axis.key for axis in axes]})")
-  record = manifest(config, settings, axes, seeds)
   with cli.workdir(flags.FLAGS.workdir) as directory:
-    check_manifest(directory, record)
-    cli.write_files(directory, {MANIFEST: json.dumps(record, indent=2)})
     cli.enable_compilation_cache(flags.FLAGS.compilation_cache)
-    rows = run_cells(cells, directory, keep_runs=_KEEP_RUNS.value)
+    rows = run_sweep(config, settings, cells, directory, keep_runs=_KEEP_RUNS.value)
     if flags.FLAGS.plot:
       plots.save(plots.sweep_curves(rows, x=x, metrics=DEFAULT_CURVES, title="kvpage sweep"),
                  directory / CURVES)

@@ -9,7 +9,9 @@ bodies; stop strings. A second process, random weights, is drained with SIGTERM.
 
 import asyncio
 import json
+import os
 import pathlib
+import re
 import signal
 import socket
 import subprocess
@@ -35,7 +37,8 @@ SERVER_FLAGS = ("--num_pages=48", "--max_num_seqs=8", "--max_num_batched_tokens=
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> pathlib.Path:
-  return tmp_path_factory.mktemp("jax_cache")
+  shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")  # the run's (tests/conftest.py)
+  return pathlib.Path(shared) if shared else tmp_path_factory.mktemp("jax_cache")
 
 
 @pytest.fixture(scope="module")
@@ -165,13 +168,28 @@ def test_malformed_requests_get_openai_shaped_errors(server, body, status, code)
   assert error["code"] == code and error["message"] and error["type"]
 
 
+def _read_response(connection: socket.socket) -> tuple[str, str]:
+  """The whole response on `connection`: its head and body may come in separate packets."""
+  answer = b""
+  while True:
+    head, separator, body = answer.partition(b"\r\n\r\n")
+    length = re.search(rb"content-length: *(\d+)", head.lower())
+    if separator and length and len(body) >= int(length[1]):
+      break
+    part = connection.recv(65536)
+    if not part:  # closed: what came is all there is
+      break
+    answer += part
+  return head.decode(), body.decode()
+
+
 def test_an_oversized_body_is_refused_before_it_is_read(server):
   host, port = server.url.removeprefix("http://").split(":")
   with socket.create_connection((host, int(port)), timeout=30) as connection:
     connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                        b"Content-Type: application/json\r\nContent-Length: 999999999\r\n\r\n{")
-    head = connection.recv(65536).decode()
-  assert head.startswith("HTTP/1.1 413") and "body_too_large" in head
+    head, body = _read_response(connection)
+  assert head.startswith("HTTP/1.1 413") and "body_too_large" in body
 
 
 def test_the_server_keeps_serving_after_bad_input(server):

@@ -1,6 +1,7 @@
 """`experiments/serve_bench.py`, the main job, end to end."""
 
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -14,9 +15,10 @@ REQUIRED = ("num_requests", "num_admitted", "num_finished", "rejections", "num_p
 
 
 def serve(workdir, *flags):
+  cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", f"{workdir}/cache")  # tests/conftest.py
   return subprocess.run(
       [sys.executable, "-m", "experiments.serve_bench", f"--workdir={workdir}",
-       f"--compilation_cache={workdir}/cache", *flags],
+       f"--compilation_cache={cache}", *flags],
       cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -70,7 +72,7 @@ def test_real_tiny_model(tmp_path):
 def test_real_tiny_model_with_multi_step_decoding(tmp_path):
   # A small budget keeps the warm-up to a few shapes; it still compiles all of them.
   summary, steps = serve_six_tiny_requests(tmp_path, 9, "--num_decode_steps=4",
-                                           "--max_num_seqs=8", "--max_num_batched_tokens=256")
+                                           "--max_num_seqs=8", "--max_num_batched_tokens=64")
   assert summary["premises"]["policies"]["num_decode_steps"] == 4
   assert summary["premises"]["compiles_during_run"] == 0  # multi-step ones too
   assert max(step["generated_tokens"] for step in steps) > 6  # some launch ran iterations

@@ -182,6 +182,15 @@ def plan(model: ModelShape, *, seq_len: int, memory_bytes: int, weight_dtype: st
 
 
 
+def requests_that_fit(model: ModelShape, *, seq_lens: Sequence[int], memory_bytes: int,
+                      weight_dtype: str, kv_dtype: str | None = None,
+                      page_size: int = DEFAULT_PAGE_SIZE) -> list[int]:
+  """`plan(...).max_concurrent_requests` at each of `seq_lens`: the capacity curve."""
+  return [plan(model, seq_len=seq_len, memory_bytes=memory_bytes, weight_dtype=weight_dtype,
+               kv_dtype=kv_dtype, page_size=page_size).max_concurrent_requests
+          for seq_len in seq_lens]
+
+
 @dataclasses.dataclass(frozen=True)
 class Fragmentation:
   """KV memory reserved by a paged cache vs contiguous max-length preallocation.
