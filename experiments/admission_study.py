@@ -182,6 +182,7 @@ def curves(record: dict[str, Any]):
                            "load": f"{round(float(row['cell']['arrival_rate']) / rate)}x",
                            "seed": row["cell"]["seed"]}) for row in record["rows"]]
   return plots.sweep_curves(named, x="watermark", lines=("load", "estimate"),
+                            swept=("watermark", "output_estimate", "arrival_rate", "seed"),
                             title="admission study: watermark x output estimate x load",
                             metrics=("rejected_503", "rejected_429", "num_preemptions",
                                      "recomputed_tokens", "goodput_requests_per_s",

@@ -58,7 +58,7 @@ def premises_line(premises: Row, swept: Sequence[str] = ()) -> str:
           f"estimate={policy.get('output_estimate')}\n"
           f"{work.get('observed', {}).get('num_requests')} requests at {work.get('arrival_rate')}"
           f"/s ({work.get('arrival_process')}), prompt {work.get('prompt_len')}, output "
-          f"{work.get('output_len')}; seed {'swept' if swept else premises.get('seed')}; "
+          f"{work.get('output_len')}; seed {'swept' if 'seed' in names else premises.get('seed')}; "
           f"jax {packages.get('jax')}, python {premises.get('python')}")
 
 
@@ -138,19 +138,24 @@ def _label(row: Row, keys: Sequence[str]) -> str:
   return ", ".join(f"{key.split('.')[-1]}={row['cell'][key]}" for key in keys) or "all"
 
 
+def _is_duration(metric: str) -> bool:
+  return metric.endswith("_s") and not metric.endswith("_per_s")
+
+
 def sweep_curves(rows: Sequence[Row], *, x: str, metrics: Sequence[str],
-                 title: str = "", log_x: bool = False,
-                 lines: Sequence[str] | None = None) -> figure_lib.Figure:
+                 title: str = "", log_x: bool = False, lines: Sequence[str] | None = None,
+                 swept: Sequence[str] | None = None) -> figure_lib.Figure:
   """Each metric against `x`, one line per combination of the other swept keys (`lines`,
   by default every swept key but `x` and the seed), mean over seeds with min-max bars.
 
   `rows` are a sweep's tidy rows: `row["cell"]` holds the swept values (and `seed`),
-  `row["metrics"]` the figures.
+  `row["metrics"]` the figures. `swept` names the premises the title marks as swept
+  (default: the cell's keys). Durations (`*_s`) are drawn in milliseconds.
   """
   if not rows:
     raise ValueError("no sweep rows to plot")
-  swept = [key for key in rows[0]["cell"] if key not in (x, "seed")]
-  lines = swept if lines is None else list(lines)
+  others = [key for key in rows[0]["cell"] if key not in (x, "seed")]
+  lines = others if lines is None else list(lines)
   groups: dict[str, dict[Any, list[Row]]] = collections.defaultdict(
       lambda: collections.defaultdict(list))
   for row in rows:
@@ -160,7 +165,8 @@ def sweep_curves(rows: Sequence[Row], *, x: str, metrics: Sequence[str],
   fig, axes = plt.subplots(rows_of_panels, columns, figsize=(4.5 * columns, 3.4 * rows_of_panels),
                            squeeze=False, constrained_layout=True)
   seeds = sorted({row["cell"].get("seed") for row in rows})
-  fig.suptitle(f"{title}\n{premises_line(rows[0]['premises'], list(rows[0]['cell']))}\n"
+  swept = list(rows[0]["cell"]) if swept is None else list(swept)
+  fig.suptitle(f"{title}\n{premises_line(rows[0]['premises'], swept)}\n"
                f"mean over seeds {seeds}, "
                "bars: min-max", fontsize=8)
   for index, metric in enumerate(metrics):
@@ -173,15 +179,15 @@ def sweep_curves(rows: Sequence[Row], *, x: str, metrics: Sequence[str],
       present = [(value, vs) for value, vs in present if vs]
       if not present:
         continue
-      scale = 1e3 if metric.endswith("_s") else 1.0  # seconds shown as milliseconds
+      scale = 1e3 if _is_duration(metric) else 1.0  # seconds shown as milliseconds
       present = [(value, [scale * v for v in vs]) for value, vs in present]
       means = [sum(vs) / len(vs) for _, vs in present]
       low = [mean - min(vs) for mean, (_, vs) in zip(means, present, strict=True)]
       high = [max(vs) - mean for mean, (_, vs) in zip(means, present, strict=True)]
       axes_.errorbar([value for value, _ in present], means, yerr=[low, high], marker="o",
                      ms=3, capsize=2, lw=1, label=label)
-    axes_.set(xlabel=x, title=metric.removesuffix("_s") + (" (ms)" if metric.endswith("_s")
-                                                          else ""))
+    axes_.set(xlabel=x, title=(metric.removesuffix("_s") + " (ms)") if _is_duration(metric)
+              else metric)
     if log_x:
       axes_.set_xscale("log")
     axes_.grid(alpha=0.3)

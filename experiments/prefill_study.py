@@ -276,7 +276,8 @@ def curves(rows: Sequence[dict], title: str):
   named = [dict(row, cell={"policy": policy_name(row["cell"]),
                            "arrival_rate": float(row["cell"]["arrival_rate"]),
                            "seed": row["cell"]["seed"]}) for row in rows]
-  return plots.sweep_curves(named, x="arrival_rate", title=title, metrics=(
+  swept = ("prefill_policy", "chunk_size", "max_num_batched_tokens", "arrival_rate", "seed")
+  return plots.sweep_curves(named, x="arrival_rate", title=title, swept=swept, metrics=(
       "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p99_s", "itl_p99_s",
       "max_stall_s", "queue_wait_p99_s", "num_rejected", "num_preemptions"))
 
