@@ -67,8 +67,8 @@ SCALES = {
                   sim_budgets=(4096, 8192), tiny_requests=48, tiny_rates=(4, 16, 64),
                   quality_prompt_len=600, quality_tokens=32),
     "smoke": Scale(sim_requests=100, sim_rates=(1, 2, 3, 4), sim_seeds=1, sim_budgets=(4096,),
-                   tiny_requests=12, tiny_rates=(8,), quality_prompt_len=96,
-                   quality_tokens=4, tiny_chunks=(64,), quality_chunks=(16,),
+                   tiny_requests=8, tiny_rates=(8,), quality_prompt_len=48,
+                   quality_tokens=3, tiny_chunks=(64,), quality_chunks=(16,),
                    tiny_warmup=False),  # smoke: compiles inside the (reported-only) run
 }
 SIM_CHUNKS = (256, 512, 1024, 2048)
