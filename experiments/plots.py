@@ -27,6 +27,8 @@ if "matplotlib.pyplot" not in sys.modules and "ipykernel" not in sys.modules:
 from matplotlib import figure as figure_lib  # (after the backend is chosen)
 from matplotlib import pyplot as plt
 
+from kvpage.sim import metrics
+
 Row = Mapping[str, Any]
 
 
@@ -69,8 +71,8 @@ def _cdf(axes, values: Sequence[float], label: str) -> None:
     return
   fractions = [(i + 1) / len(values) for i in range(len(values))]
   axes.step([1e3 * v for v in values], fractions, where="post")
-  p50, p99 = (values[min(len(values) - 1, math.ceil(q * len(values)) - 1)] for q in (0.5, 0.99))
-  for value, name in ((p50, "p50"), (p99, "p99")):
+  marks = metrics.percentiles(values)  # the summary's own p50 and p99
+  for value, name in ((marks["p50"], "p50"), (marks["p99"], "p99")):
     axes.axvline(1e3 * value, color="grey", lw=0.8, ls=":")
     axes.annotate(f"{name} {1e3 * value:.0f} ms", (1e3 * value, 0.05), rotation=90,
                   fontsize=7, va="bottom")

@@ -151,9 +151,11 @@ def load_trace(config: ml_collections.ConfigDict,
       arrival_process=settings.arrival_process, priority=settings.priority)
 
 
-def prepare(config: ml_collections.ConfigDict, settings: BenchSettings) -> None:
+def prepare(config: ml_collections.ConfigDict,
+            settings: BenchSettings) -> list[workload.TraceRequest]:
   """Checks `settings` and applies them to `config` (pass a copy to keep yours):
-  everything a run could refuse is refused here, before an engine is built."""
+  everything a run could refuse is refused here, before an engine is built. Returns
+  the workload, drawn (or read) here so that a bad spec fails now."""
   settings.check()
   apply_settings(config, settings)
   configs_check.check(config)
@@ -169,7 +171,7 @@ def prepare(config: ml_collections.ConfigDict, settings: BenchSettings) -> None:
   if eos is not None and not 0 <= eos < config.model.vocab_size:
     raise ValueError(f"--eos_token_id {eos} is outside the vocabulary "
                      f"[0, {config.model.vocab_size})")
-  load_trace(config, settings)  # drawn (or read) once here, so a bad spec fails now
+  return load_trace(config, settings)
 
 
 def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
@@ -178,11 +180,12 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
   """One run: builds the engine, replays the workload; returns the summary and the files
   (`summary.json`, `steps.jsonl`, `requests.jsonl`, `trace.jsonl`) by name."""
   config = ml_collections.ConfigDict(config.to_dict())  # the caller's stays as it was
-  prepare(config, settings)
+  trace = prepare(config, settings)
   hardware = hardware_lib.get_hardware(settings.hardware or config.hardware)
   setup = build.serving_engine(config, executor=settings.executor, hardware=hardware,
                                checkpoint=settings.checkpoint, num_pages=settings.num_pages)
-  trace = load_trace(setup.config, settings)
+  if settings.checkpoint:  # token ids drawn from the checkpoint's vocabulary, not the config's
+    trace = load_trace(setup.config, settings)
   summary, files = serve(setup, trace, settings, show_progress=show_progress, bars=bars)
   files["trace.jsonl"] = workload.to_jsonl(trace)
   return summary, files
@@ -191,7 +194,6 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   settings, config = settings_from_flags(), config_from_flags()
-  prepare(ml_collections.ConfigDict(config.to_dict()), settings)
   if _PLOT.value:
     from experiments import plots  # fails now, not after the run, without matplotlib
   with cli.workdir(_WORKDIR.value) as workdir:  # fail now, not after the run
