@@ -60,6 +60,10 @@ class Scale:
   tiny_chunks: tuple[int, ...] = (32, 64, 128, 256)
   quality_chunks: tuple[int, ...] = (16, 64, 256)
   tiny_warmup: bool = True  # compile every step shape before the clock starts
+  tiny_max_len: int | None = None  # the tiny model's context, and the token budget
+  # (prefill-first needs a whole prompt to fit a step); None: the model's own
+  tiny_long_prompt: int = 400  # the long prompts of the tiny workload's mix
+  quality_dtypes: tuple[str, ...] = ("fp32", "bf16")
 
 
 SCALES = {
@@ -69,13 +73,14 @@ SCALES = {
     "smoke": Scale(sim_requests=100, sim_rates=(1, 2, 3, 4), sim_seeds=1, sim_budgets=(4096,),
                    tiny_requests=8, tiny_rates=(8,), quality_prompt_len=48,
                    quality_tokens=3, tiny_chunks=(64,), quality_chunks=(16,),
-                   tiny_warmup=False),  # smoke: compiles inside the (reported-only) run
+                   tiny_warmup=False,  # smoke: compiles inside the (reported-only) run
+                   tiny_max_len=256, tiny_long_prompt=200, quality_dtypes=("fp32",)),
 }
 SIM_CHUNKS = (256, 512, 1024, 2048)
 # The workload: one prompt in five is long (3,000 tokens), the rest short; outputs long
 # enough that a stall lands inside many running requests' streams.
 SIM_WORKLOAD = dict(prompt_len="mix:0.2:3000:200", output_len="uniform:64:256")
-TINY_WORKLOAD = dict(prompt_len="mix:0.2:400:24", output_len="uniform:16:48")
+TINY_OUTPUT_LEN = "uniform:16:48"  # prompts: one in five long (`Scale.tiny_long_prompt`)
 TPOT_SLO_S = 0.035  # strict: under 2x an unloaded 13B decode step on the A100 (18.5 ms)
 ITL_SLO_S = 0.1  # Sarathi's P99 time-between-tokens style bound
 TINY_TPOT_SLO_S = 0.05
@@ -112,9 +117,12 @@ def sim_cells(scale: Scale) -> tuple[ml_collections.ConfigDict, serve_bench.Benc
 def tiny_cells(scale: Scale) -> tuple[ml_collections.ConfigDict, serve_bench.BenchSettings,
                                       list[sweep.Cell]]:
   config = tiny.get_config()
+  if scale.tiny_max_len:
+    config.model.max_seq_len = scale.tiny_max_len
   budget = max((*scale.tiny_chunks, config.model.max_seq_len))
-  settings = serve_bench.BenchSettings(executor="jax", num_requests=scale.tiny_requests,
-                                       warmup=scale.tiny_warmup, **TINY_WORKLOAD)
+  settings = serve_bench.BenchSettings(
+      executor="jax", num_requests=scale.tiny_requests, warmup=scale.tiny_warmup,
+      prompt_len=f"mix:0.2:{scale.tiny_long_prompt}:24", output_len=TINY_OUTPUT_LEN)
   grid = [policy | {"arrival_rate": str(rate)}
           for policy in policies(scale.tiny_chunks, (budget,)) for rate in scale.tiny_rates]
   return config, settings, sweep.plan_cells(config, settings, grid, [0])
@@ -266,7 +274,8 @@ def run(scale: Scale, directory: pathlib.Path, parts: Sequence[str] = ("sim", "t
     record["tiny_rows"] = rows
   if "quality" in parts:
     record["quality"] = quality(prompt_len=scale.quality_prompt_len,
-                                num_tokens=scale.quality_tokens, chunks=scale.quality_chunks)
+                                num_tokens=scale.quality_tokens, chunks=scale.quality_chunks,
+                                dtypes=scale.quality_dtypes)
   return record
 
 
