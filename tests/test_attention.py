@@ -4,6 +4,8 @@ Input checks are in `test_attention_validation.py`, the decode-only XLA path in
 `test_decode_fast_path.py`, the kernels in `test_kernels.py`.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -108,9 +110,10 @@ def test_permuting_pages_does_not_change_the_result():
 # The query-block path (`ragged_blocked_attention`), the model's fast XLA path for
 # mixed steps, against the same dense oracle.
 def check_blocked(case, tolerance=1e-5, **kwargs):
-  out = np.asarray(xla.ragged_blocked_attention(
-      jnp.asarray(case.q), jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
-      **case.kwargs(), **kwargs))
+  # Under jit, as the model runs it: one compilation, not one per operation.
+  fn = jax.jit(functools.partial(xla.ragged_blocked_attention, **kwargs))
+  out = np.asarray(fn(jnp.asarray(case.q), jnp.asarray(case.k_pages),
+                      jnp.asarray(case.v_pages), **case.kwargs()))
   expected = dense_attention(case, kwargs.get("sm_scale"), kwargs.get("soft_cap"))
   assert relative_error(out[:case.num_real_tokens], expected) < tolerance
   assert not np.any(out[case.num_real_tokens:])
@@ -120,7 +123,8 @@ def check_blocked(case, tolerance=1e-5, **kwargs):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seqs=ragged_batches(), group=st.sampled_from([1, 2, 4]),
        page_size=st.sampled_from([1, 4, 16]), num_pad_tokens=st.integers(0, 3),
-       num_pad_seqs=st.integers(0, 2), query_block=st.sampled_from([None, 1, 2, 4, 16]),
+       num_pad_seqs=st.integers(0, 2),
+       query_block=st.sampled_from([1, 2, 4, 16, xla.PREFILL_QUERY_BLOCK]),
        tokens_per_tile=st.sampled_from([16, 64]), seed=st.integers(0, 2**16))
 def test_query_blocks_match_dense(seqs, group, page_size, num_pad_tokens, num_pad_seqs,
                                   query_block, tokens_per_tile, seed):
@@ -130,7 +134,7 @@ def test_query_blocks_match_dense(seqs, group, page_size, num_pad_tokens, num_pa
   check_blocked(case, query_block=query_block, tokens_per_tile=tokens_per_tile)
 
 
-@pytest.mark.parametrize("query_block", [1, 8, 16])
+@pytest.mark.parametrize("query_block", [1, 16, xla.PREFILL_QUERY_BLOCK])
 def test_query_blocks_on_named_batches_scale_soft_cap_and_whole_cache(query_block):
   case = make_case([(513, 1), (17, 17), (40, 7), (3, 1), (100, 37), (29, 11)], num_heads=4,
                    num_kv_heads=2, head_dim=HEAD_DIM, page_size=16, seed=query_block,
@@ -147,8 +151,11 @@ def test_query_blocks_on_named_batches_scale_soft_cap_and_whole_cache(query_bloc
       rtol=1e-5, atol=1e-6)
 
 
-def test_query_block_size_follows_the_average_tokens_per_sequence():
-  assert xla.query_block_size(64, 64) == 1  # decodes: one token per block
-  assert xla.query_block_size(1024, 64) == 16
-  assert xla.query_block_size(96, 16) == 4  # 6 tokens a sequence: largest power of 2
-  assert xla.query_block_size(8192, 1) == xla.MAX_QUERY_BLOCK
+def test_multi_token_only_schedules_blocks_for_prompt_chunks_alone():
+  # Sequences of 1 (a decode), 5 and 1 new tokens, then a padding sequence.
+  starts, lens = jnp.array([0, 1, 6, 7, 7]), jnp.array([9, 12, 4, 0])
+  schedule, rows = xla.query_blocks(starts, lens, 8, 4, multi_token_only=True)
+  used = np.asarray(schedule)[np.asarray(schedule)[:, 2] > 0]
+  # (seq, first token, real tokens, first position, context): two blocks of sequence 1.
+  np.testing.assert_array_equal(used, [[1, 1, 4, 7, 12], [1, 5, 1, 11, 12]])
+  np.testing.assert_array_equal(rows, [-1, 0, 1, 2, 3, 4, -1, -1])

@@ -10,9 +10,10 @@ so the step never copies a layer's pages.
 
   * `paged_decode_attention`: every sequence brings exactly one token (the host says
     so statically), so there is no ragged bookkeeping at all.
-  * `ragged_blocked_attention`: any batch; each sequence's new tokens are cut into
-    query blocks (`query_blocks`, a schedule the Pallas ragged kernel shares), and a
-    block reads its sequence's pages once for all its tokens.
+  * `ragged_blocked_attention`: any batch. Its decodes are rows of the decode path's
+    computation; each prompt chunk is cut into query blocks (`query_blocks`, a schedule
+    the Pallas ragged kernel shares) that a loop visits, only as many as there are,
+    each reading its sequence's pages tile by tile up to its causal limit.
 """
 
 import math
@@ -21,14 +22,16 @@ import jax
 import jax.numpy as jnp
 
 from kvpage.device.attention import reference
-from kvpage.device.attention.reference import DEFAULT_TOKENS_PER_TILE
 
 # Measured on CPU (benchmarks/attention_cpu.py): KV tiles past ~128 tokens spill the
 # gathered keys out of cache and get slower, not faster; contexts that fit take one pass.
 DECODE_TOKENS_PER_TILE = 128
 # Single-pass widths (in pages) the XLA paths pick from at run time; table_bucket's ladder.
 SPAN_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-MAX_QUERY_BLOCK = 16
+# Prompt chunks (measured on CPU, benchmarks/attention_cpu.py): query blocks of this
+# many tokens, scored against KV tiles of this many.
+PREFILL_QUERY_BLOCK = 256
+PREFILL_TOKENS_PER_TILE = 256
 # Below this many query rows per table, products with the keys are multiply-and-reduce.
 MIN_MATMUL_ROWS = 8
 
@@ -181,20 +184,9 @@ def _fold_tiles(q_rows, k_pages, v_pages, rows, limits, pages_per_tile, soft_cap
   return reference.normalize(state)
 
 
-def query_block_size(num_tokens: int, num_seqs: int) -> int:
-  """Tokens per query block for a mixed batch of this (padded, static) shape.
-
-  A block holds tokens of one sequence, so a batch needs at most
-  `ceil(num_tokens / block) + num_seqs` blocks; sizing the block to the average tokens
-  per sequence (a power of two, at most `MAX_QUERY_BLOCK`) keeps that padding bounded
-  whether the step is mostly decodes (block 1) or mostly prompt chunks.
-  """
-  average = max(1, min(MAX_QUERY_BLOCK, num_tokens // max(num_seqs, 1)))
-  return 1 << (average.bit_length() - 1)
-
-
 def query_blocks(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens: int,
-                 query_block: int) -> tuple[jax.Array, jax.Array]:
+                 query_block: int, *, multi_token_only: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
   """Cuts every sequence's new tokens into query blocks of at most `query_block` (traceable).
 
   Returns `schedule i32[num_blocks, 5]`, rows (seq, first token, number of real
@@ -202,12 +194,15 @@ def query_blocks(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens
   static `num_blocks = ceil(num_tokens / query_block) + num_seqs`; and `block_rows
   i32[num_tokens]`, each token's row `block_index * query_block + row` in the blocks'
   stacked output (-1 for padding tokens). The XLA blocked path and the Pallas ragged
-  kernel share it.
+  kernel share it. With `multi_token_only`, sequences of one new token get no block
+  (the XLA path computes those as decodes); their tokens' `block_rows` are -1.
   """
   num_seqs = context_lens.shape[0]
   num_blocks = -(-num_tokens // query_block) + num_seqs
   query_lens = query_start_loc[1:] - query_start_loc[:-1]
   blocks_per_seq = -(-query_lens // query_block)
+  if multi_token_only:
+    blocks_per_seq = jnp.where(query_lens > 1, blocks_per_seq, 0)
   block_ends = jnp.cumsum(blocks_per_seq)
   first_block = block_ends - blocks_per_seq
   index = jnp.arange(num_blocks, dtype=jnp.int32)
@@ -223,23 +218,30 @@ def query_blocks(query_start_loc: jax.Array, context_lens: jax.Array, num_tokens
   safe = jnp.maximum(seq_ids, 0)
   in_query = jnp.arange(num_tokens, dtype=jnp.int32) - query_start_loc[safe]
   row = (first_block[safe] + in_query // query_block) * query_block + in_query % query_block
-  return schedule, jnp.where(seq_ids >= 0, row, -1).astype(jnp.int32)
+  has_block = (seq_ids >= 0) & (blocks_per_seq[safe] > 0)
+  return schedule, jnp.where(has_block, row, -1).astype(jnp.int32)
 
 
 def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
                              page_tables: jax.Array, context_lens: jax.Array,
                              query_start_loc: jax.Array, layer: int | None = None,
                              sm_scale: float | None = None, soft_cap: float | None = None,
-                             query_block: int | None = None,
-                             tokens_per_tile: int = DEFAULT_TOKENS_PER_TILE) -> jax.Array:
-  """`ragged_paged_attention` by query blocks: the fast XLA path for mixed steps.
+                             query_block: int = PREFILL_QUERY_BLOCK,
+                             tokens_per_tile: int = PREFILL_TOKENS_PER_TILE) -> jax.Array:
+  """`ragged_paged_attention` for any batch: the fast XLA path for mixed steps.
 
-  The reference gathers a copy of the keys for every query token, so a prompt chunk of
-  n tokens reads its context n times. Here each sequence's new tokens are cut into
-  query blocks of `query_block` tokens (default `query_block_size`); a block gathers
-  its sequence's pages once, as whole rows, and scores all its tokens against them
-  with a causal mask (key position <= query position). Blocks past the real ones,
-  and rows past a sequence's last token, are padding.
+  A mixed step holds two kinds of sequence, computed two ways and then put back in
+  token order:
+    * a sequence with one new token (a decode) is a row of `paged_decode_attention`'s
+      computation, all of them at once;
+    * a sequence with several (a prompt chunk) is cut into query blocks of
+      `query_block` tokens, and a loop runs over the blocks there are (a count known
+      only on the device): a block reads its sequence's pages tile by tile, only as far
+      as its last token's position (causal), and scores all its tokens against each
+      tile at once, a real matrix product.
+  So a step's cost follows its tokens and the pages they read, not its padded shape:
+  padding sequences and padding blocks cost nothing, and a chunk of n tokens reads its
+  context n / query_block times rather than n times.
 
   Arguments and result as in `ragged_paged_attention`; with `layer`, `k_pages` and
   `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place.
@@ -249,28 +251,55 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
                             query_start_loc)
   num_tokens, num_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = pool.shape
+  num_seqs = page_tables.shape[0]
   group = num_heads // num_kv_heads
-  block = query_block or query_block_size(num_tokens, page_tables.shape[0])
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+  # Indexed by loop counters below: device arrays, whatever the caller passed.
+  page_tables, context_lens, query_start_loc = (
+      jnp.asarray(x) for x in (page_tables, context_lens, query_start_loc))
+  query_lens = query_start_loc[1:] - query_start_loc[:-1]
+  is_decode = query_lens == 1
 
-  schedule, block_rows = query_blocks(query_start_loc, context_lens, num_tokens, block)
-  num_blocks = schedule.shape[0]  # static
-  seq, first_token, num_rows, first_position = (schedule[:, field] for field in range(4))
-  offsets = jnp.arange(block, dtype=jnp.int32)
-  token_rows = first_token[:, None] + offsets  # [num_blocks, block]
-  # Row r of a block sits at position first_position + r and sees keys up to it.
-  limits = jnp.where(offsets < num_rows[:, None], first_position[:, None] + offsets + 1, 0)
-  limits = jnp.repeat(limits, group, axis=1)  # [num_blocks, block * group], token-major
+  # Decodes: each sequence's last token, all sequences at once (only decodes see keys).
+  last = jnp.maximum(query_start_loc[1:] - 1, 0)
+  decode_q = (q[last].astype(jnp.float32) * sm_scale).reshape(
+      num_seqs, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
+  decode_out = _fold(decode_q, k_pages, v_pages,
+                     decode_rows(page_tables, num_kv_heads, num_pages, layer or 0),
+                     jnp.where(is_decode, context_lens, 0)[:, None],
+                     max(1, DECODE_TOKENS_PER_TILE // page_size), soft_cap)
+  decode_out = decode_out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim)
 
-  q_blocks = q[jnp.clip(token_rows, 0, num_tokens - 1)].astype(jnp.float32) * sm_scale
-  q_rows = q_blocks.reshape(num_blocks, block, num_kv_heads, group, head_dim).transpose(
-      2, 0, 1, 3, 4).reshape(num_kv_heads, num_blocks, block * group, head_dim)
-  rows = decode_rows(page_tables[seq], num_kv_heads, num_pages, layer or 0)
-  out = _fold(q_rows, k_pages, v_pages, rows, limits,
-              max(1, tokens_per_tile // page_size), soft_cap)
-  out = out.reshape(num_kv_heads, num_blocks * block, group, head_dim).transpose(1, 0, 2, 3)
-  out = out.reshape(num_blocks * block, num_heads, head_dim)
+  # Prompt chunks: a loop over their query blocks.
+  schedule, _ = query_blocks(query_start_loc, context_lens, num_tokens, query_block,
+                             multi_token_only=True)
+  num_blocks = jnp.sum(jnp.where(is_decode, 0, -(-query_lens // query_block)))
+  pages_per_tile = max(1, tokens_per_tile // page_size)
+  padded_q = jnp.pad(q, ((0, query_block), (0, 0), (0, 0)))
+  offsets = jnp.arange(query_block, dtype=jnp.int32)
+
+  def attend_block(index, out):
+    seq, first_token, num_rows, first_position = (schedule[index, field] for field in range(4))
+    block_q = jax.lax.dynamic_slice_in_dim(padded_q, first_token, query_block)
+    q_rows = (block_q.astype(jnp.float32) * sm_scale).reshape(
+        query_block, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).reshape(
+            num_kv_heads, 1, query_block * group, head_dim)
+    limits = jnp.where(offsets < num_rows, first_position + offsets + 1, 0)
+    rows = decode_rows(page_tables[seq][None], num_kv_heads, num_pages, layer or 0)
+    block_out = _fold_tiles(q_rows, k_pages, v_pages, rows,
+                            jnp.repeat(limits, group)[None], pages_per_tile, soft_cap)
+    block_out = block_out.reshape(num_kv_heads, query_block, group, head_dim).transpose(
+        1, 0, 2, 3).reshape(query_block, num_heads, head_dim)
+    previous = jax.lax.dynamic_slice_in_dim(out, first_token, query_block)
+    keep = (offsets < num_rows)[:, None, None]
+    return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, block_out, previous),
+                                               first_token, 0)
+
+  chunk_out = jax.lax.fori_loop(0, num_blocks, attend_block, jnp.zeros(
+      (num_tokens + query_block, num_heads, head_dim), jnp.float32))[:num_tokens]
 
   # Back to token order; padding tokens read zeros.
-  out = jnp.where((block_rows >= 0)[:, None, None], out[jnp.maximum(block_rows, 0)], 0.0)
-  return out.astype(q.dtype)
+  seq_ids, _ = reference.token_layout(query_start_loc, context_lens, num_tokens)
+  safe = jnp.maximum(seq_ids, 0)
+  out = jnp.where(is_decode[safe][:, None, None], decode_out[safe], chunk_out)
+  return jnp.where((seq_ids >= 0)[:, None, None], out, 0.0).astype(q.dtype)
