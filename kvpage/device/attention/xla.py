@@ -28,8 +28,10 @@ from kvpage.device.attention import reference
 DECODE_TOKENS_PER_TILE = 128
 # Single-pass widths (in pages) the XLA paths pick from at run time; table_bucket's ladder.
 SPAN_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-# Prompt chunks (measured on CPU, benchmarks/attention_cpu.py): query blocks of this
-# many tokens, scored against KV tiles of this many.
+# Prompt chunks: query blocks of this many tokens, scored against KV tiles of this many.
+# Chosen on the 2-core CPU VM (tiny dims, one layer, variants interleaved in one
+# process): 256/256 beat blocks of 128 or 512 and tiles of 512 on fresh prompts,
+# chunks over a cached prefix, and mixed decode + chunk steps alike.
 PREFILL_QUERY_BLOCK = 256
 PREFILL_TOKENS_PER_TILE = 256
 # Below this many query rows per table, products with the keys are multiply-and-reduce.
@@ -100,17 +102,27 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   num_seqs = page_tables.shape[0]
   reference.validate_static(q, pool, _layer_pool(v_pages, layer), page_tables, context_lens,
                             jax.ShapeDtypeStruct((num_seqs + 1,), jnp.int32))
-  num_tokens, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = pool.shape
+  num_tokens, _, head_dim = q.shape
+  _, num_pages, page_size, _ = pool.shape
   num_seqs = min(num_tokens, num_seqs)  # decode: seqs past num_tokens are empty
-  rows = decode_rows(page_tables[:num_seqs], num_kv_heads, num_pages, layer or 0)
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-  q_grouped = (q[:num_seqs].astype(jnp.float32) * sm_scale).reshape(
-      num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(1, 0, 2, 3)
-  out = _fold(q_grouped, k_pages, v_pages, rows, context_lens[:num_seqs, None],
-              max(1, tokens_per_tile // page_size), soft_cap)
-  out = out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim).astype(q.dtype)
+  out = _decode_pass(q[:num_seqs], k_pages, v_pages, page_tables[:num_seqs],
+                     context_lens[:num_seqs], num_pages, layer, sm_scale, soft_cap,
+                     max(1, tokens_per_tile // page_size)).astype(q.dtype)
   return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
+
+
+def _decode_pass(q_seqs, k_pages, v_pages, page_tables, limits, num_pages, layer, sm_scale,
+                 soft_cap, pages_per_tile):
+  """One query token per table, `q_seqs [n, num_heads, head_dim]`, seeing the keys below
+  `limits i32[n]` of its table; returns `f32[n, num_heads, head_dim]`."""
+  num_seqs, num_heads, head_dim = q_seqs.shape
+  num_kv_heads = k_pages.shape[-4]
+  q_grouped = (q_seqs.astype(jnp.float32) * sm_scale).reshape(
+      num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(1, 0, 2, 3)
+  rows = decode_rows(page_tables, num_kv_heads, num_pages, layer or 0)
+  out = _fold(q_grouped, k_pages, v_pages, rows, limits[:, None], pages_per_tile, soft_cap)
+  return out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim)
 
 
 def _fold(q_rows, k_pages, v_pages, rows, limits, pages_per_tile, soft_cap):
@@ -241,7 +253,7 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
       tile at once, a real matrix product.
   So a step's cost follows its tokens and the pages they read, not its padded shape:
   padding sequences and padding blocks cost nothing, and a chunk of n tokens reads its
-  context n / query_block times rather than n times.
+  context n / query_block times (the oracle reads it n times).
 
   Arguments and result as in `ragged_paged_attention`; with `layer`, `k_pages` and
   `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place.
@@ -251,7 +263,6 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
                             query_start_loc)
   num_tokens, num_heads, head_dim = q.shape
   num_kv_heads, num_pages, page_size, _ = pool.shape
-  num_seqs = page_tables.shape[0]
   group = num_heads // num_kv_heads
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   # Indexed by loop counters below: device arrays, whatever the caller passed.
@@ -262,18 +273,14 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
 
   # Decodes: each sequence's last token, all sequences at once (only decodes see keys).
   last = jnp.maximum(query_start_loc[1:] - 1, 0)
-  decode_q = (q[last].astype(jnp.float32) * sm_scale).reshape(
-      num_seqs, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3)
-  decode_out = _fold(decode_q, k_pages, v_pages,
-                     decode_rows(page_tables, num_kv_heads, num_pages, layer or 0),
-                     jnp.where(is_decode, context_lens, 0)[:, None],
-                     max(1, DECODE_TOKENS_PER_TILE // page_size), soft_cap)
-  decode_out = decode_out.transpose(1, 0, 2, 3).reshape(num_seqs, num_heads, head_dim)
+  decode_out = _decode_pass(q[last], k_pages, v_pages, page_tables,
+                            jnp.where(is_decode, context_lens, 0), num_pages, layer, sm_scale,
+                            soft_cap, max(1, DECODE_TOKENS_PER_TILE // page_size))
 
-  # Prompt chunks: a loop over their query blocks.
+  # Prompt chunks: a loop over their query blocks (the used ones lead the schedule).
   schedule, _ = query_blocks(query_start_loc, context_lens, num_tokens, query_block,
                              multi_token_only=True)
-  num_blocks = jnp.sum(jnp.where(is_decode, 0, -(-query_lens // query_block)))
+  num_blocks = jnp.sum(schedule[:, 2] > 0)
   pages_per_tile = max(1, tokens_per_tile // page_size)
   padded_q = jnp.pad(q, ((0, query_block), (0, 0), (0, 0)))
   offsets = jnp.arange(query_block, dtype=jnp.int32)
