@@ -1,30 +1,37 @@
-r"""Decode throughput of kvpage's jitted step vs Hugging Face `generate`, same weights.
+r"""End-to-end CPU throughput matrix: kvpage's Engine vs Hugging Face `generate`, same weights.
 
-  python -m benchmarks.decode_cpu --out=decode_cpu.json
+  python -m benchmarks.decode_cpu --out=decode_cpu.json               # the three target cells
+  python -m benchmarks.decode_cpu --config=configs/small.py --repeats=2
+  python -m benchmarks.decode_cpu --batch=1,8,32 --prompt_len=32 --output_len=64
 
-Builds a random `LlamaForCausalLM` with the tiny config's dimensions, saves it, loads
-the same weights into kvpage, and for batch 1/8/32 generates `--new_tokens` tokens
-from `--prompt_len`-token prompts with greedy decoding, all sequences together:
-  * kvpage: `Engine.generate` (scheduler + batch builder + jitted paged step), after a
-    warm-up run that compiles every bucket used;
-  * transformers: batched greedy `generate` with its default dynamic cache and with
-    `cache_implementation="static"`; the faster is reported as HF's best.
-Generated tokens/s = batch x new tokens / wall time (prefill included for both).
-kvpage runs in three modes, each its own engine on the same weights:
-  * `async N-step`: async scheduling plus multi-step decoding
-    (`scheduler.num_decode_steps = --num_decode_steps`): all-decode steps run N
-    iterations per launch, each feeding its sample to the next on the device;
-  * `async 1-step`: the defaults (step N+1 scheduled and launched while step N runs);
-  * `sync 1-step`: schedule, launch, wait, in turn.
-For each, the launches the engine made are replayed through the jitted step alone,
-back to back: `replay ms` is that executor time per launch, `host +%` what the
-engine's host work (scheduling, batch building, bookkeeping) adds to it (engine
-wall / replay - 1). Compilations during the timed runs are counted (expected: 0).
-Requires the `test` extra (torch, transformers).
+Builds a random `LlamaForCausalLM` with the config's dimensions, saves it, and loads the
+same weights into kvpage. A cell is (batch, prompt, output): `--batch`, `--prompt_len`
+and `--output_len` are lists read position by position (a one-value list repeats), or
+crossed with `--product`. In every cell all prompts are submitted at once, greedy, and
+each sequence generates exactly `output` tokens. The contenders, each warmed up first
+(every program compiled), then timed round-robin `--repeats` times:
+  * kvpage `default`: `Engine.generate` with the scheduler settings a user gets (async
+    scheduling, chunked prefill, token budget 2,048, one decode per launch);
+  * kvpage `N-step`: the same with multi-step decoding (`scheduler.num_decode_steps=N`)
+    for each N of `--num_decode_steps`; the best of them is the "best multi-step";
+  * kvpage `prefill`: the default engine generating one token per prompt, i.e. the
+    prompts' prefill (plus one sample) through the whole engine;
+  * HF `generate` with its dynamic and its static cache (`attn_implementation="sdpa"`,
+    torch on `--torch_threads` threads); the faster is "HF best";
+  * HF `forward`: one forward pass over the same prompts (what `generate` prefills).
+Reported per contender: the best and the median of the rounds. Generated tokens/s =
+batch x output / wall (prefill included for both); prefill tokens/s = prompt tokens /
+wall. kvpage's `decode ms/step` is the executor alone replaying the default engine's
+decode-only launches back to back (the host's share is engine wall minus replay).
+The timed rounds must compile nothing: a recompilation raises. Peak RSS (the whole
+process so far, both frameworks) is read after each cell. Requires the `test` extra.
 """
 
+import itertools
 import json
 import pathlib
+import resource
+import statistics
 import tempfile
 import time
 
@@ -36,38 +43,26 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import build, cli
+from kvpage import batch as batch_lib
+from kvpage.device import cache as paged_cache
 from kvpage.host.request import SamplingParams
 from kvpage.sim import premises
 from models import hf
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model dimensions.")
-_BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 32, "Prompt tokens per sequence.")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 64, "Generated tokens per sequence.")
+_BATCH = flags.DEFINE_list("batch", ["64", "32", "32"], "Sequences per cell.")
+_PROMPT_LEN = flags.DEFINE_list("prompt_len", ["64", "512", "1920"], "Prompt tokens per "
+                                "sequence, per cell.")
+_OUTPUT_LEN = flags.DEFINE_list("output_len", ["64", "128", "128"], "Generated tokens per "
+                                "sequence, per cell.")
+_PRODUCT = flags.DEFINE_bool("product", False, "Cross the three lists instead of reading "
+                             "them position by position.")
+_DECODE_STEPS = flags.DEFINE_list("num_decode_steps", ["4", "16"], "Multi-step kvpage "
+                                  "engines to run beside the default (empty: none).")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
-_DECODE_STEPS = flags.DEFINE_integer(
-    "num_decode_steps", 16, "Decode iterations per launch of the multi-step kvpage engine "
-    "(scheduler.num_decode_steps); 1-step engines run beside it.")
-_REPEATS = flags.DEFINE_integer("repeats", 7, "Timed rounds; each contender runs once a "
-                                "round, best is kept.")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds; each contender runs once a round.")
+_TORCH_THREADS = flags.DEFINE_integer("torch_threads", 2, "torch intra-op threads.")
 _OUT = flags.DEFINE_string("out", "decode_cpu.json", "Where to write the JSON record.")
-
-
-def save_random_checkpoint(model_config, directory: pathlib.Path):
-  hf_config = transformers.LlamaConfig(
-      vocab_size=model_config.vocab_size, hidden_size=model_config.d_model,
-      intermediate_size=model_config.ffn_dim, num_hidden_layers=model_config.num_layers,
-      num_attention_heads=model_config.num_heads, num_key_value_heads=model_config.num_kv_heads,
-      head_dim=model_config.head_dim, max_position_embeddings=model_config.max_seq_len,
-      rms_norm_eps=model_config.norm_eps, rope_theta=model_config.rope_theta,
-      tie_word_embeddings=model_config.tie_embeddings)
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(hf_config).eval()
-  model.generation_config.eos_token_id = None
-  model.generation_config.pad_token_id = 0
-  model.save_pretrained(directory)
-  return model
-
 
 _BACKEND_COMPILES = []  # every XLA compilation in this process (jax.monitoring)
 
@@ -78,8 +73,59 @@ def _count_compiles(event: str, seconds: float, **kwargs) -> None:
     _BACKEND_COMPILES.append(event)
 
 
+def cells(batches: list[str], prompts: list[str], outputs: list[str],
+          product: bool) -> list[tuple[int, int, int]]:
+  """`(batch, prompt, output)` cells from the three flag lists."""
+  lists = [list(map(int, values)) for values in (batches, prompts, outputs)]
+  if product:
+    return list(itertools.product(*lists))
+  size = max(map(len, lists))
+  if any(len(values) not in (1, size) for values in lists):
+    raise ValueError(f"--batch, --prompt_len and --output_len need equal lengths (or one "
+                     f"value) without --product; got {', '.join(str(len(v)) for v in lists)}")
+  return [tuple(values[i % len(values)] for values in lists) for i in range(size)]
+
+
+def save_random_checkpoint(model_config, directory: pathlib.Path) -> None:
+  hf_config = transformers.LlamaConfig(
+      vocab_size=model_config.vocab_size, hidden_size=model_config.d_model,
+      intermediate_size=model_config.ffn_dim, num_hidden_layers=model_config.num_layers,
+      num_attention_heads=model_config.num_heads, num_key_value_heads=model_config.num_kv_heads,
+      head_dim=model_config.head_dim, max_position_embeddings=model_config.max_seq_len,
+      rms_norm_eps=model_config.norm_eps, rope_theta=model_config.rope_theta,
+      tie_word_embeddings=model_config.tie_embeddings)
+  torch.manual_seed(0)
+  transformers.LlamaForCausalLM(hf_config).save_pretrained(directory)
+
+
+def load_hf(directory: pathlib.Path):
+  model = transformers.LlamaForCausalLM.from_pretrained(
+      directory, attn_implementation="sdpa", dtype=torch.float32).eval()
+  model.generation_config.eos_token_id = None
+  model.generation_config.pad_token_id = 0
+  return model
+
+
+class Contender:
+  """Something timed once per round: `run()` appends a wall time; `best`, `median`."""
+
+  def __init__(self):
+    self.walls: list[float] = []
+
+  def timed(self, fn) -> None:
+    start = time.perf_counter()
+    fn()
+    self.walls.append(time.perf_counter() - start)
+
+  def stats(self, work: int) -> dict:
+    """Best and median wall, and `work` (tokens) per second at each."""
+    best, median = min(self.walls), statistics.median(self.walls)
+    return dict(best_s=best, median_s=median, best_tokens_per_s=work / best,
+                median_tokens_per_s=work / median, walls_s=self.walls)
+
+
 class RecordingStep:
-  """Wraps the executor's jitted step to keep every batch it launches, for `replay_steps`."""
+  """Wraps the executor's jitted step to keep every batch it launches, for `replay_decodes`."""
 
   def __init__(self, step):
     self.step, self.records = step, []
@@ -96,65 +142,62 @@ class RecordingStep:
     return self.step.dispatch_multi(params, cache, batch, all_greedy, feed, num_steps)
 
 
-def replay_steps(executor, records) -> float:
-  """Seconds the executor's step alone takes for `records`, back to back.
+class KvpageContender(Contender):
+  """One engine generating `new_tokens` for every prompt, all submitted at once."""
 
-  Each launch is made and waited for (sampled ids to numpy), feeding the next from
-  its output as the engine does: the engine's wall time minus this is what its host
-  work (scheduling, batch building, bookkeeping) adds.
-  """
-  step = executor.step.step
-  feed = None
-  start = time.perf_counter()
-  for batch, all_greedy, num_steps in records:
-    if num_steps > 1:
-      samples, feed, executor.cache = step.dispatch_multi(
-          executor.params, executor.cache, batch, all_greedy, feed, num_steps)
-    else:
-      samples, executor.cache = step.dispatch(executor.params, executor.cache, batch,
-                                              all_greedy, feed)
-      feed = samples
-    np.asarray(samples)
-  return time.perf_counter() - start
-
-
-class KvpageContender:
-  """One engine: each `run()` times `generate`, then replays its batches (`replay_steps`)."""
-
-  def __init__(self, engine, prompts, new_tokens):
+  def __init__(self, engine, prompts, new_tokens, record: bool = True):
+    super().__init__()
     self.engine, self.prompts = engine, prompts
     self.sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    self.recording = engine.executor.step = RecordingStep(engine.executor.step)
-    self.walls, self.steps, self.num_launches = [], [], 0
-    self.run()  # warm-up: compiles every bucket this run uses
-    self.walls, self.steps = [], []
+    self.recording = None
+    if record:  # keep the launches, for `replay_decodes`
+      self.recording = engine.executor.step = RecordingStep(engine.executor.step)
+    self.run()  # warm-up: compiles every program this run uses
+    self.walls = []
 
   def run(self) -> None:
-    self.recording.records = []
-    launches_before = self.engine.executor.num_launches
-    start = time.perf_counter()
-    requests = self.engine.generate(self.prompts, self.sampling)
-    self.walls.append(time.perf_counter() - start)
+    if self.recording:
+      self.recording.records = []
+    launches = self.engine.executor.num_launches
+    self.timed(lambda: self._check(self.engine.generate(self.prompts, self.sampling)))
+    self.num_launches = self.engine.executor.num_launches - launches
+
+  def _check(self, requests) -> None:
     if any(len(r.output_ids) != self.sampling.max_tokens for r in requests):
       raise RuntimeError("kvpage generated the wrong number of tokens")
-    self.num_launches = self.engine.executor.num_launches - launches_before
-    self.steps.append(replay_steps(self.engine.executor, self.recording.records))
 
-  def result(self) -> dict:
-    wall, step = min(self.walls), min(self.steps)
-    return dict(wall_s=wall, step_s=step, host_added=wall / step - 1,
-                num_launches=self.num_launches, walls_s=self.walls, replays_s=self.steps)
+  def replay_decodes(self) -> dict:
+    """The last run's decode-only launches through the jitted step alone, back to back."""
+    executor, step = self.engine.executor, self.recording.step
+    decodes = [r for r in self.recording.records
+               if isinstance(r[0], batch_lib.DecodeStepBatch)]
+    feed, iterations = None, 0
+    start = time.perf_counter()
+    for batch, all_greedy, num_steps in decodes:
+      if num_steps > 1:
+        samples, feed, executor.cache = step.dispatch_multi(
+            executor.params, executor.cache, batch, all_greedy, feed, num_steps)
+        iterations += int(np.max(batch.num_steps))
+      else:
+        samples, executor.cache = step.dispatch(executor.params, executor.cache, batch,
+                                                all_greedy, feed)
+        feed, iterations = samples, iterations + 1
+      np.asarray(samples)
+    seconds = time.perf_counter() - start
+    return dict(decode_launches=len(decodes), decode_iterations=iterations,
+                decode_ms_per_step=1e3 * seconds / max(iterations, 1),
+                launches=len(self.recording.records))
 
 
-class HfContender:
-  """Batched greedy `generate` with one cache implementation; `None` if it cannot run."""
+class HfGenerate(Contender):
+  """Batched greedy `generate` with one cache implementation; `error` if it cannot run."""
 
   def __init__(self, model, prompts, new_tokens, cache):
-    self.model, self.inputs, self.walls = model, torch.tensor(prompts), []
+    super().__init__()
+    self.model, self.inputs, self.error = model, torch.tensor(prompts), None
     self.kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     if cache == "static":
       self.kwargs["cache_implementation"] = "static"
-    self.error = None
     try:
       self.run()  # warm-up
     except Exception as error:  # an unsupported cache in this transformers version
@@ -162,86 +205,140 @@ class HfContender:
     self.walls = []
 
   def run(self) -> None:
-    if self.error:
-      return
-    with torch.inference_mode():
-      start = time.perf_counter()
-      self.model.generate(self.inputs, **self.kwargs)
-      self.walls.append(time.perf_counter() - start)
+    if not self.error:
+      with torch.inference_mode():
+        self.timed(lambda: self.model.generate(self.inputs, **self.kwargs))
 
-  def result(self) -> float | str:
-    return self.error or min(self.walls)
+
+class HfForward(Contender):
+  """One forward pass over all prompts (with a cache, as `generate` prefills)."""
+
+  def __init__(self, model, prompts):
+    super().__init__()
+    self.model, self.inputs = model, torch.tensor(prompts)
+    self.run()  # warm-up
+    self.walls = []
+
+  def run(self) -> None:
+    with torch.inference_mode():
+      self.timed(lambda: self.model(self.inputs, use_cache=True))
+
+
+def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
+             rng: np.random.Generator) -> dict:
+  prompts = rng.integers(1, config.model.vocab_size, (batch, prompt)).tolist()
+  num_pages = build.pages_for_work(config, [prompt + output] * batch)  # as serve_bench sizes it
+  modes = {"default": 1, **{f"{n}-step": n for n in map(int, _DECODE_STEPS.value)}}
+  kvpage = {}
+  for mode, decode_steps in modes.items():
+    scheduler_config = config.scheduler.copy_and_resolve_references()  # one per engine
+    scheduler_config.num_decode_steps = decode_steps
+    engine = build.llama_engine(config.model, params, scheduler_config, num_pages=num_pages,
+                                page_size=config.cache.page_size)
+    kvpage[mode] = KvpageContender(engine, prompts, output)
+  kvpage["prefill"] = KvpageContender(kvpage["default"].engine, prompts, 1, record=False)
+  theirs = {cache: HfGenerate(hf_model, prompts, output, cache)
+            for cache in ("dynamic", "static")}
+  theirs["forward"] = HfForward(hf_model, prompts)
+  contenders = [*kvpage.values(), *theirs.values()]
+  compiles_before = len(_BACKEND_COMPILES)
+  # Round-robin: this VM's speed drifts, so timing the contenders in separate phases
+  # would compare different machines.
+  for _ in range(_REPEATS.value):
+    for contender in contenders:
+      contender.run()
+  recompiles = len(_BACKEND_COMPILES) - compiles_before
+  if recompiles:
+    raise RuntimeError(f"{recompiles} XLA compilations during the timed rounds of cell "
+                       f"{(batch, prompt, output)}: a shape escaped the warm-up")
+  generated, prompt_tokens = batch * output, batch * prompt
+  row = dict(batch=batch, prompt_len=prompt, output_len=output, num_pages=num_pages,
+             kv_pool_bytes=paged_cache.pool_bytes(config.model, num_pages=num_pages,
+                                                  page_size=config.cache.page_size),
+             recompiles=recompiles)
+  row["kvpage"] = {mode: {**kvpage[mode].stats(generated), **kvpage[mode].replay_decodes()}
+                   for mode in modes}
+  row["kvpage_prefill"] = kvpage["prefill"].stats(prompt_tokens)
+  row["hf"] = {cache: (theirs[cache].error or theirs[cache].stats(generated))
+               for cache in ("dynamic", "static")}
+  row["hf_forward"] = theirs["forward"].stats(prompt_tokens)
+  usable = {cache: stats for cache, stats in row["hf"].items() if isinstance(stats, dict)}
+  hf_cache = max(usable, key=lambda cache: usable[cache]["best_tokens_per_s"])
+  hf_best = usable[hf_cache]["best_tokens_per_s"]
+  multi = [mode for mode in modes if mode != "default"]
+  best_multi = max(multi, key=lambda m: row["kvpage"][m]["best_tokens_per_s"], default=None)
+  row.update(
+      hf_best_cache=hf_cache, hf_best_tokens_per_s=hf_best,
+      ratio_default=row["kvpage"]["default"]["best_tokens_per_s"] / hf_best,
+      best_multi_step=best_multi,
+      ratio_best_multi_step=(row["kvpage"][best_multi]["best_tokens_per_s"] / hf_best
+                             if best_multi else None),
+      ratio_prefill=row["kvpage_prefill"]["best_tokens_per_s"]
+      / row["hf_forward"]["best_tokens_per_s"],
+      peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+  return row
+
+
+def format_row(row: dict) -> str:
+  ours, default = row["kvpage"], row["kvpage"]["default"]
+  multi = row["best_multi_step"]
+  multi_text = (f"{ours[multi]['best_tokens_per_s']:>7.0f} ({multi:>7}) "
+                f"{row['ratio_best_multi_step']:>5.2f}" if multi else f"{'-':>23}")
+  return (f"{row['batch']:>5} {row['prompt_len']:>6} {row['output_len']:>6} "
+          f"{default['best_tokens_per_s']:>7.0f} {default['median_tokens_per_s']:>7.0f} "
+          f"{row['hf_best_tokens_per_s']:>7.0f} {row['hf_best_cache']:>7} "
+          f"{row['ratio_default']:>5.2f} {multi_text} "
+          f"{row['kvpage_prefill']['best_tokens_per_s']:>8.0f} "
+          f"{row['hf_forward']['best_tokens_per_s']:>8.0f} {row['ratio_prefill']:>5.2f} "
+          f"{default['decode_ms_per_step']:>7.2f} {row['peak_rss_bytes'] / 2**30:>6.2f}")
+
+
+HEADER = (f"{'batch':>5} {'prompt':>6} {'output':>6} {'kvpage':>7} {'median':>7} "
+          f"{'HF':>7} {'cache':>7} {'ratio':>5} {'best multi-step':>17} {'ratio':>5} "
+          f"{'prefill':>8} {'HF fwd':>8} {'ratio':>5} {'dec ms':>7} {'RSS GiB':>6}")
 
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+  torch.set_num_threads(_TORCH_THREADS.value)
   config = cli.load_config(_CONFIG)
-  model_config = config.model
+  config.cache.page_size = _PAGE_SIZE.value
+  plan = cells(_BATCH.value, _PROMPT_LEN.value, _OUTPUT_LEN.value, _PRODUCT.value)
+  longest = max(prompt + output for _, prompt, output in plan)
+  if longest > config.model.max_seq_len:
+    raise ValueError(f"a cell needs {longest:,} positions; {config.model.name} has "
+                     f"{config.model.max_seq_len:,}")
+  with tempfile.TemporaryDirectory() as directory:
+    save_random_checkpoint(config.model, pathlib.Path(directory))
+    hf_model = load_hf(pathlib.Path(directory))
+    name = config.model.name
+    config.model, params = hf.load(directory)
+  m = config.model
+  m.name = name
+  print(f"kvpage vs HF generate: {m.name} ({m.num_layers} layers, d_model {m.d_model}, "
+        f"{m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, vocab {m.vocab_size}), fp32, "
+        f"greedy, all prompts at once, page size {config.cache.page_size}, CPU, torch "
+        f"{torch.get_num_threads()} threads, HF attention "
+        f"{hf_model.config._attn_implementation}; best of {_REPEATS.value} rounds "
+        "(tokens/s); ratios: kvpage / HF best")
+  print(HEADER)
   rng = np.random.default_rng(0)
   rows = []
-  with tempfile.TemporaryDirectory() as directory:
-    hf_model = save_random_checkpoint(model_config, pathlib.Path(directory))
-    loaded_config, params = hf.load(directory)
-  print(f"decode throughput: {model_config.name} ({model_config.num_layers} layers, d_model "
-        f"{model_config.d_model}, {model_config.num_heads}/{model_config.num_kv_heads} heads, "
-        f"vocab {model_config.vocab_size}), fp32, greedy, prompt {_PROMPT_LEN.value} + "
-        f"{_NEW_TOKENS.value} new tokens, page size {_PAGE_SIZE.value}, CPU, torch threads "
-        f"{torch.get_num_threads()}")
-  print(f"{'batch':>5} {'kvpage mode':>16} {'tok/s':>7} {'HF tok/s':>8} {'HF cache':>8} "
-        f"{'ratio':>5} {'launches':>8} {'replay ms':>9} {'engine ms':>9} {'host +%':>7} "
-        f"{'recompiles':>10}")
-  modes = {  # name -> (async scheduling, decode iterations per launch)
-      f"async {_DECODE_STEPS.value}-step": (True, _DECODE_STEPS.value),
-      "async 1-step": (True, 1), "sync 1-step": (False, 1)}
-  for batch in map(int, _BATCHES.value):
-    prompts = rng.integers(1, model_config.vocab_size, (batch, _PROMPT_LEN.value)).tolist()
-    num_pages = 1 + batch * -(-(_PROMPT_LEN.value + _NEW_TOKENS.value) // _PAGE_SIZE.value)
-    config.scheduler.watermark = 0.0  # an offline batch sized to fit: admit everything
-    contenders = {}
-    for mode, (async_scheduling, decode_steps) in modes.items():
-      scheduler_config = config.scheduler.copy_and_resolve_references()  # one per engine
-      scheduler_config.update(dict(async_scheduling=async_scheduling,
-                                   num_decode_steps=decode_steps))
-      engine = build.llama_engine(loaded_config, params, scheduler_config, num_pages=num_pages,
-                                  page_size=_PAGE_SIZE.value)
-      contenders[mode] = KvpageContender(engine, prompts, _NEW_TOKENS.value)
-    for cache in ("dynamic", "static"):
-      contenders[cache] = HfContender(hf_model, prompts, _NEW_TOKENS.value, cache)
-    # Round-robin, best of `repeats` each: this VM's speed drifts, so timing the
-    # contenders in separate phases would compare different machines.
-    compiles_before = len(_BACKEND_COMPILES)
-    for _ in range(_REPEATS.value):
-      for contender in contenders.values():
-        contender.run()
-    recompiles = len(_BACKEND_COMPILES) - compiles_before
-    theirs = {cache: contenders[cache].result() for cache in ("dynamic", "static")}
-    numeric = {k: v for k, v in theirs.items() if isinstance(v, float)}
-    best_cache = min(numeric, key=numeric.get)
-    tokens = batch * _NEW_TOKENS.value
-    hf_tokens_per_s = tokens / numeric[best_cache]
-    for mode in modes:
-      ours = contenders[mode].result()
-      row = dict(batch=batch, mode=mode, kvpage_tokens_per_s=tokens / ours["wall_s"],
-                 hf_tokens_per_s=hf_tokens_per_s, hf_best_cache=best_cache,
-                 hf_seconds=theirs, kvpage=ours, recompiles=recompiles)
-      row["ratio"] = row["kvpage_tokens_per_s"] / hf_tokens_per_s
-      rows.append(row)
-      launches = ours["num_launches"]
-      print(f"{batch:>5} {mode:>16} {row['kvpage_tokens_per_s']:>7.0f} {hf_tokens_per_s:>8.0f} "
-            f"{best_cache:>8} {row['ratio']:>5.2f} {launches:>8} "
-            f"{1e3 * ours['step_s'] / launches:>9.2f} {1e3 * ours['wall_s'] / launches:>9.2f} "
-            f"{ours['host_added']:>7.1%} {recompiles:>10}")
+  for batch, prompt, output in plan:
+    rows.append(run_cell(config, params, hf_model, batch, prompt, output, rng))
+    print(format_row(rows[-1]), flush=True)
   record = dict(benchmark="decode_cpu", premises=dict(
-      model=model_config.name, dims={k: model_config[k] for k in (
+      model=m.name, dims={k: m[k] for k in (
           "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
-          "vocab_size")}, dtype="fp32", prompt_len=_PROMPT_LEN.value,
-      new_tokens=_NEW_TOKENS.value, page_size=_PAGE_SIZE.value, sampling="greedy",
-      batch_policy="all prompts submitted at once; continuous batching, chunked prefill; "
-      f"kvpage modes: {', '.join(modes)}",
-      attention_impl=model_config.attention_impl,
-      repeats=_REPEATS.value, torch_threads=torch.get_num_threads(),
-      **premises.environment()), rows=rows)
+          "vocab_size")}, dtype="fp32", cells=plan, page_size=config.cache.page_size,
+      sampling="greedy, ignore_eos", batch_policy="all prompts submitted at once; kvpage: "
+      "default scheduler (continuous batching, chunked prefill, async scheduling), pool "
+      "sized for the whole batch above the watermark; multi-step engines: "
+      f"{', '.join(_DECODE_STEPS.value) or 'none'}",
+      scheduler=config.scheduler.to_dict(), attention_impl=m.attention_impl,
+      hf_attention=hf_model.config._attn_implementation, repeats=_REPEATS.value,
+      torch_threads=torch.get_num_threads(), **premises.environment()), rows=rows)
   with open(_OUT.value, "w") as f:
     json.dump(record, f, indent=2)
   print(f"wrote {_OUT.value}")

@@ -40,7 +40,10 @@ def build(name: str, default_dtype: str, variant: str | None,
     raise ValueError(f"unknown config variant {variant!r}; choose a dtype: {', '.join(DTYPES)}")
   config = ml_collections.ConfigDict()
   config.model = model_config(name, dtype)
-  config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0))
+  # A real run's KV pool: `num_pages` when set, else as many pages as `kv_memory_gib`
+  # holds (`experiments.build.real_pool_pages`). 4 GiB is vLLM's CPU default KV space.
+  config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0,
+                                                kv_memory_gib=4.0))
   config.hardware = hardware
   config.seed = 0
   config.scheduler = scheduler.get_scheduler_config()
@@ -95,6 +98,9 @@ def check(config) -> None:
   cache = config.cache
   _positive_int("cache.page_size", cache.get("page_size"))
   _positive_int("cache.num_pages", cache.get("num_pages"), 0)
+  budget = cache.get("kv_memory_gib")
+  if budget != 0:
+    _positive_number("cache.kv_memory_gib", budget)
   if cache.get("kv_dtype") not in DTYPES:
     raise ValueError(f"cache.kv_dtype {cache.get('kv_dtype')!r}: choose one of "
                      f"{', '.join(DTYPES)}")

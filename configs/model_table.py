@@ -1,6 +1,6 @@
 """Model dimensions: one table, each entry citing where its numbers come from.
 
-Config files (`llama_13b.py`, `llama3_8b.py`, `tiny.py`) read from here; so do tests.
+Config files (`llama_13b.py`, `llama3_8b.py`, `small.py`, `tiny.py`) read from here; so do tests.
 """
 
 MODEL_TABLE: dict[str, dict] = {
@@ -47,5 +47,20 @@ MODEL_TABLE: dict[str, dict] = {
         norm_eps=1e-5,
         max_seq_len=2048,
         source="kvpage's own toy model: a few milliseconds per step on a laptop CPU",
+    ),
+    "small": dict(
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        d_model=512,
+        ffn_dim=1536,
+        vocab_size=1024,
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        max_seq_len=2048,
+        source="kvpage's own CPU model: 25M parameters, GQA 4:1, big enough that the "
+        "matmuls, not the host, set a CPU step's time",
     ),
 }

@@ -8,6 +8,7 @@ it behind a `JaxExecutor` with a paged cache, and pairs it with a `Scheduler`;
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -144,13 +145,56 @@ class ServingSetup:
   config: ml_collections.ConfigDict
   num_pages: int
   hardware_record: dict[str, Any]
+  pool_reason: str = ""  # why the pool has `num_pages` pages, for the run header
+
+
+def pages_for_work(config: ml_collections.ConfigDict, lengths: list[int]) -> int:
+  """Pages (null page included) that hold sequences of `lengths` tokens all at once with
+  the scheduler's admission watermark still free: what a pool sized to the work needs."""
+  page_size = config.cache.page_size
+  held = sum(-(-min(length, config.model.max_seq_len) // page_size) for length in lengths)
+  return 1 + math.ceil(held / (1 - config.scheduler.watermark))
+
+
+def real_pool_pages(config: ml_collections.ConfigDict, model_config: ml_collections.ConfigDict,
+                    *, num_pages: int = 0, checkpoint: bool = False,
+                    pages_needed: int | None = None) -> tuple[int, str]:
+  """Pages (null page included) of a real run's KV pool, and why that many.
+
+  In order: `num_pages` (a flag); the config's `cache.num_pages`, unless a checkpoint
+  replaced the config's model (a page count is model-specific, a byte budget is not);
+  else the budget `cache.kv_memory_gib`, capped by `pages_needed` (what the whole
+  workload could hold at once, when it is known up front) so no memory is spent on
+  pages nothing can use.
+  """
+  if num_pages:
+    return num_pages, "--num_pages"
+  cache = config.cache
+  if cache.num_pages and not checkpoint:
+    return cache.num_pages, f"cache.num_pages={cache.num_pages:,} in the config"
+  budget = cache.get("kv_memory_gib", 0.0)
+  if not budget > 0:
+    raise ValueError(f"the config sets no KV pool for a real run (cache.num_pages="
+                     f"{cache.num_pages}, cache.kv_memory_gib={budget}); pass --num_pages")
+  page_bytes = paged_cache.pool_bytes(model_config, num_pages=1, page_size=cache.page_size,
+                                      dtype=cache.kv_dtype)
+  pages = paged_cache.num_pages_for_budget(model_config, memory_bytes=int(budget * 2**30),
+                                           page_size=cache.page_size, dtype=cache.kv_dtype)
+  reason = (f"cache.kv_memory_gib={budget:g} GiB at {page_bytes / 2**10:,.0f} KiB a page "
+            f"holds {pages:,}")
+  if checkpoint and cache.num_pages:
+    reason += f" (cache.num_pages={cache.num_pages:,} sizes the config's own model)"
+  if pages_needed is not None and pages_needed < pages:
+    return max(pages_needed, 2), (f"{reason}; the workload needs at most {pages_needed:,} "
+                                  "(all its requests at once, above the watermark)")
+  return pages, reason
 
 
 def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware: HardwareSpec,
                    checkpoint: str | None = None, num_pages: int = 0,
-                   paced: bool = False) -> ServingSetup:
+                   paced: bool = False, pages_needed: int | None = None) -> ServingSetup:
   """The engine `serve_bench` runs: real (`jax`, random weights or a checkpoint) or `sim`
-  (`paced`: in wall time, for a live server)."""
+  (`paced`: in wall time, for a live server). A real run's pool: `real_pool_pages`."""
   page_size, host_pages = config.cache.page_size, config.scheduler.num_host_pages
   if executor == "sim":
     for name, value in (("num_pages", num_pages), ("num_host_pages", host_pages)):
@@ -164,15 +208,14 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
                         page_size=page_size, kv_dtype=config.cache.kv_dtype,
                         num_host_pages=host_pages, paced=paced)
     return ServingSetup(engine, config, num_pages, dataclasses.asdict(hardware))
-  num_pages = num_pages or config.cache.num_pages
-  if num_pages < 2:
-    raise ValueError(f"the config sets no KV pool for a real run (cache.num_pages="
-                     f"{config.cache.num_pages}); pass --num_pages")
   if checkpoint:
     model_config, params = hf.load(checkpoint)
     config.model = model_config
     config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
-  else:
+  num_pages, pool_reason = real_pool_pages(config, config.model, num_pages=num_pages,
+                                           checkpoint=bool(checkpoint),
+                                           pages_needed=pages_needed)
+  if not checkpoint:
     check_memory(config.model, num_pages=num_pages, page_size=page_size,
                  kv_dtype=config.cache.kv_dtype, num_host_pages=host_pages)
     params = llama.random_init(config.model, config.seed)
@@ -181,4 +224,5 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
                         kv_dtype=config.cache.kv_dtype)
   device = jax.devices()[0]
   return ServingSetup(engine, config, num_pages,
-                      dict(name=f"{device.platform} (real run)", device=str(device)))
+                      dict(name=f"{device.platform} (real run)", device=str(device)),
+                      pool_reason)

@@ -29,8 +29,9 @@ _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on; 0 = any free port
 _MODEL_NAME = flags.DEFINE_string("served_model_name", None,
                                   "Model name clients ask for (default: the checkpoint's "
                                   "directory name, or the config's model name).")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = config's "
-                                  "(the simulator: what the device holds).")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = the "
+                                  "config's cache.num_pages, else what cache.kv_memory_gib "
+                                  "holds (the simulator: what the device holds).")
 _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
                               "The real model, or a simulated GPU in real time (a roofline "
                               "of --hardware, every step slept through; token ids only).")
@@ -109,7 +110,8 @@ def main(argv: list[str]) -> None:
       drain_timeout_s=_DRAIN_TIMEOUT.value, eos_token_ids=eos_ids)
   gateway = app_lib.Gateway(engine, server_config, tokenizer)
   server_lib.serve(gateway, host=_HOST.value, port=_PORT.value,
-                   banner=f"{setup.num_pages:,} KV pages")
+                   banner=f"{setup.num_pages:,} KV pages"
+                   + (f" ({setup.pool_reason})" if setup.pool_reason else ""))
 
 
 if __name__ == "__main__":

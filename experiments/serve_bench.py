@@ -30,6 +30,7 @@ from experiments import build, cli, progress
 from kvpage.host import scheduler_config
 from kvpage.host.request import SamplingParams
 from kvpage.sim import capacity, metrics, premises, replay, workload
+from models import hf
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file.")
 # A run's settings: each flag is the `BenchSettings` field of its name.
@@ -160,18 +161,28 @@ def prepare(config: ml_collections.ConfigDict,
   apply_settings(config, settings)
   configs_check.check(config)
   hardware_lib.get_hardware(settings.hardware or config.hardware)
-  if not settings.checkpoint:  # the scheduler's own check, against the length it will get
-    num_pages = settings.num_pages or config.cache.num_pages
-    if settings.executor == "sim":
-      scheduler_config.check(config.scheduler, config.model.max_seq_len)
-    elif num_pages >= 2:
-      scheduler_config.check(config.scheduler, build.max_model_len(
-          config.model, num_pages=num_pages, page_size=config.cache.page_size))
   eos = settings.eos_token_id
   if eos is not None and not 0 <= eos < config.model.vocab_size:
     raise ValueError(f"--eos_token_id {eos} is outside the vocabulary "
                      f"[0, {config.model.vocab_size})")
-  return load_trace(config, settings)
+  trace = load_trace(config, settings)
+  if not settings.checkpoint:  # the scheduler's own check, against the length it will get
+    if settings.executor == "sim":
+      scheduler_config.check(config.scheduler, config.model.max_seq_len)
+    else:
+      num_pages, _ = build.real_pool_pages(config, config.model, num_pages=settings.num_pages,
+                                           pages_needed=pages_needed(config, settings, trace))
+      scheduler_config.check(config.scheduler, build.max_model_len(
+          config.model, num_pages=num_pages, page_size=config.cache.page_size))
+  return trace
+
+
+def pages_needed(config: ml_collections.ConfigDict, settings: BenchSettings,
+                 trace: list[workload.TraceRequest]) -> int:
+  """`build.pages_for_work` for every request of `trace` at its longest: a budget-sized
+  pool needs no more."""
+  return build.pages_for_work(config, [
+      len(item.prompt_ids) + max(item.output_len, settings.max_tokens) for item in trace])
 
 
 def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
@@ -182,10 +193,13 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
   config = ml_collections.ConfigDict(config.to_dict())  # the caller's stays as it was
   trace = prepare(config, settings)
   hardware = hardware_lib.get_hardware(settings.hardware or config.hardware)
-  setup = build.serving_engine(config, executor=settings.executor, hardware=hardware,
-                               checkpoint=settings.checkpoint, num_pages=settings.num_pages)
   if settings.checkpoint:  # token ids drawn from the checkpoint's vocabulary, not the config's
-    trace = load_trace(setup.config, settings)
+    checkpoint_config = ml_collections.ConfigDict(config.to_dict())
+    checkpoint_config.model = hf.load_config(settings.checkpoint)
+    trace = load_trace(checkpoint_config, settings)
+  setup = build.serving_engine(config, executor=settings.executor, hardware=hardware,
+                               checkpoint=settings.checkpoint, num_pages=settings.num_pages,
+                               pages_needed=pages_needed(config, settings, trace))
   summary, files = serve(setup, trace, settings, show_progress=show_progress, bars=bars)
   files["trace.jsonl"] = workload.to_jsonl(trace)
   return summary, files
@@ -276,8 +290,9 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
   record = dict(
       executor=settings.executor, model=setup.config.model.to_dict(),
       dtype=setup.config.model.dtype, hardware=setup.hardware_record,
-      num_pages=setup.num_pages, page_size=setup.config.cache.page_size,
-      policies=setup.config.scheduler.to_dict(), seed=settings.seed,
+      num_pages=setup.num_pages, pool_reason=setup.pool_reason,
+      page_size=setup.config.cache.page_size, policies=setup.config.scheduler.to_dict(),
+      seed=settings.seed,
       workload=dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
                     prompt_len=settings.prompt_len, output_len=settings.output_len,
                     priority=settings.priority, trace=settings.trace,
@@ -309,7 +324,8 @@ def format_summary(summary: dict) -> str:
       f"preemption={p['policies']['preemption_mode']} "
       f"watermark={p['policies']['watermark']} max_waiting={p['policies']['max_waiting']} "
       f"decode_steps={p['policies'].get('num_decode_steps', 1)}",
-      f"  cache     {summary['pages_total']:,} pages x {p['page_size']} tokens",
+      f"  cache     {summary['pages_total']:,} pages x {p['page_size']} tokens"
+      + (f" ({p['pool_reason']})" if p.get("pool_reason") else ""),
       "",
       f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
       f"  rejections               {summary['rejections']}",

@@ -162,6 +162,21 @@ def _tensor_files(directory: pathlib.Path) -> dict[str, pathlib.Path]:
     raise CheckpointError(f"cannot read {single}: {error}") from None
 
 
+def load_config(checkpoint_dir: str | pathlib.Path,
+                dtype: str | None = None) -> ml_collections.ConfigDict:
+  """The model config of a Hugging Face Llama checkpoint directory, reading no weights."""
+  directory = pathlib.Path(checkpoint_dir)
+  if not directory.is_dir():
+    raise CheckpointError(f"checkpoint directory {directory} does not exist")
+  try:
+    return model_config_from_hf(_read_json(directory / "config.json"), dtype)
+  except (KeyError, TypeError, ValueError, OverflowError) as error:
+    if isinstance(error, CheckpointError):
+      raise CheckpointError(f"{directory / 'config.json'}: {error}") from None
+    raise CheckpointError(f"{directory / 'config.json'}: missing or malformed field "
+                          f"{error}") from None
+
+
 def load(checkpoint_dir: str | pathlib.Path,
          dtype: str | None = None) -> tuple[ml_collections.ConfigDict, dict[str, Any]]:
   """`(model config, params)` from a Hugging Face Llama checkpoint directory.
@@ -169,15 +184,7 @@ def load(checkpoint_dir: str | pathlib.Path,
   `dtype` (`fp32`, `bf16`, `fp16`) converts the weights; default: the checkpoint's.
   """
   directory = pathlib.Path(checkpoint_dir)
-  if not directory.is_dir():
-    raise CheckpointError(f"checkpoint directory {directory} does not exist")
-  try:
-    config = model_config_from_hf(_read_json(directory / "config.json"), dtype)
-  except (KeyError, TypeError, ValueError, OverflowError) as error:
-    if isinstance(error, CheckpointError):
-      raise CheckpointError(f"{directory / 'config.json'}: {error}") from None
-    raise CheckpointError(f"{directory / 'config.json'}: missing or malformed field "
-                          f"{error}") from None
+  config = load_config(directory, dtype)
   target = paged_cache.jnp_dtype(config.dtype)
   files = _tensor_files(directory)
   params: dict[str, Any] = {}

@@ -2,8 +2,10 @@
 
 import pytest
 
-from configs import base, llama3_8b, llama_13b, tiny
+from configs import base, llama3_8b, llama_13b, small, tiny
 from configs import hardware as hardware_lib
+from experiments import build
+from kvpage.sim import capacity
 
 
 def test_llama_13b_matches_the_llama2_paper():
@@ -22,13 +24,20 @@ def test_llama3_8b_is_gqa_bf16():
       4096, 14336, 128256, "bf16")
 
 
-@pytest.mark.parametrize("module", [llama_13b, llama3_8b, tiny])
+@pytest.mark.parametrize("module", [llama_13b, llama3_8b, small, tiny])
 @pytest.mark.parametrize("variant", base.DTYPES)
 def test_dtype_variants(module, variant):
   config = module.get_config(variant)
   assert config.model.dtype == variant and config.cache.kv_dtype == variant
   assert config.hardware in hardware_lib.HARDWARE
   assert config.model.num_heads % config.model.num_kv_heads == 0
+
+
+def test_small_is_tens_of_millions_of_parameters_with_gqa():
+  model = small.get_config().model
+  parameters = capacity.weight_bytes(capacity.ModelShape.from_config(model), "fp32") // 4
+  assert 20e6 < parameters < 40e6 and model.num_heads == 4 * model.num_kv_heads
+  assert small.get_config().cache.num_pages == 0  # its pool: the byte budget
 
 
 def test_unknown_variant_is_rejected():
@@ -44,3 +53,21 @@ def test_hardware_table_cites_sources():
     assert spec.source and 0 < spec.compute_efficiency <= 1
     assert 0 < spec.bandwidth_efficiency <= 1
   assert hardware_lib.get_hardware("a100_80gb").memory_bytes == 80 * 2**30
+
+
+def test_a_real_runs_pool_comes_from_one_byte_budget():
+  config = tiny.get_config()
+  page = 2 * 4 * 4 * 2 * 64 * 16  # K and V, fp32, 4 layers, 2 KV heads, head_dim 64, 16 tokens
+  assert build.real_pool_pages(config, config.model, num_pages=40) == (40, "--num_pages")
+  assert build.real_pool_pages(config, config.model)[0] == 256  # the config's own count
+  # A checkpoint replaced the config's model: the byte budget, not the page count.
+  pages, reason = build.real_pool_pages(config, config.model, checkpoint=True)
+  assert pages == 4 * 2**30 // page and "cache.num_pages=256 sizes the config's own" in reason
+  pages, reason = build.real_pool_pages(config, config.model, checkpoint=True, pages_needed=99)
+  assert pages == 99 and "needs at most 99" in reason
+  config.cache.num_pages, config.cache.kv_memory_gib = 0, 0.0
+  with pytest.raises(ValueError, match="sets no KV pool"):
+    build.real_pool_pages(config, config.model)
+  config.cache.kv_memory_gib = -1.0
+  with pytest.raises(ValueError, match=r"cache\.kv_memory_gib must be a finite number"):
+    base.check(config)

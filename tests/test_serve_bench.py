@@ -1,6 +1,7 @@
 """`experiments/serve_bench.py`, the main job, end to end."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -120,3 +121,25 @@ def test_measured_clock_starts_after_warmup(tmp_path):
   assert summary["premises"]["compiles_during_run"] == 0  # warm-up compiled every shape
   first = json.loads((tmp_path / "steps.jsonl").read_text().splitlines()[0])
   assert first["time"] < 2.0  # not the seconds that compilation took
+
+
+def test_a_checkpoint_run_sizes_its_pool_to_the_work(tmp_path):
+  # The tiny config's 256 pages are sized for its own model; a checkpoint's pool comes
+  # from the byte budget (cache.kv_memory_gib), capped by what the 64 requests hold.
+  from serve_utils import make_served_checkpoint
+  checkpoint = make_served_checkpoint(tmp_path / "checkpoint")
+  workdir = tmp_path / "run"
+  result = serve(workdir, f"--checkpoint={checkpoint}", "--num_requests=64",
+                 "--arrival_rate=inf", "--prompt_len=uniform:4:40", "--output_len=2",
+                 "--nowarmup")
+  assert result.returncode == 0, result.stderr
+  summary = check_summary(workdir)
+  trace = [json.loads(line) for line in (workdir / "trace.jsonl").read_text().splitlines()]
+  held = sum(-(-(len(item["prompt_ids"]) + 2) // 16) for item in trace)
+  needed = 1 + math.ceil(held / (1 - 0.15))  # above the default 15% watermark
+  assert summary["pages_total"] == needed - 1  # the null page holds nothing
+  assert summary["num_finished"] == summary["num_admitted"] == 64
+  assert summary["rejections"] == {} or not any(summary["rejections"].values())
+  reason = summary["premises"]["pool_reason"]
+  assert "cache.kv_memory_gib=4 GiB" in reason and f"needs at most {needed}" in reason
+  assert reason in result.stdout
