@@ -234,7 +234,8 @@ def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
     scheduler_config = config.scheduler.copy_and_resolve_references()  # one per engine
     scheduler_config.num_decode_steps = decode_steps
     engine = build.llama_engine(config.model, params, scheduler_config, num_pages=num_pages,
-                                page_size=config.cache.page_size)
+                                page_size=config.cache.page_size,
+                                kv_dtype=config.cache.kv_dtype)
     kvpage[mode] = KvpageContender(engine, prompts, output)
   kvpage["prefill"] = KvpageContender(kvpage["default"].engine, prompts, 1, record=False)
   theirs = {cache: HfGenerate(hf_model, prompts, output, cache)
@@ -254,7 +255,8 @@ def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
   generated, prompt_tokens = batch * output, batch * prompt
   row = dict(batch=batch, prompt_len=prompt, output_len=output, num_pages=num_pages,
              kv_pool_bytes=paged_cache.pool_bytes(config.model, num_pages=num_pages,
-                                                  page_size=config.cache.page_size),
+                                                  page_size=config.cache.page_size,
+                                                  dtype=config.cache.kv_dtype),
              recompiles=recompiles)
   row["kvpage"] = {mode: {**kvpage[mode].stats(generated), **kvpage[mode].replay_decodes()}
                    for mode in modes}
@@ -317,7 +319,8 @@ def main(argv: list[str]) -> None:
   m = config.model
   m.name = name
   print(f"kvpage vs HF generate: {m.name} ({m.num_layers} layers, d_model {m.d_model}, "
-        f"{m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, vocab {m.vocab_size}), fp32, "
+        f"{m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, vocab {m.vocab_size}), fp32 "
+        f"weights, {config.cache.kv_dtype} KV cache, "
         f"greedy, all prompts at once, page size {config.cache.page_size}, CPU, torch "
         f"{torch.get_num_threads()} threads, HF attention "
         f"{hf_model.config._attn_implementation}; best of {_REPEATS.value} rounds "
@@ -331,7 +334,8 @@ def main(argv: list[str]) -> None:
   record = dict(benchmark="decode_cpu", premises=dict(
       model=m.name, dims={k: m[k] for k in (
           "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim",
-          "vocab_size")}, dtype="fp32", cells=plan, page_size=config.cache.page_size,
+          "vocab_size")}, dtype="fp32", kv_dtype=config.cache.kv_dtype, cells=plan,
+      page_size=config.cache.page_size,
       sampling="greedy, ignore_eos", batch_policy="all prompts submitted at once; kvpage: "
       "default scheduler (continuous batching, chunked prefill, async scheduling), pool "
       "sized for the whole batch above the watermark; multi-step engines: "

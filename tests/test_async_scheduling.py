@@ -7,9 +7,9 @@ tokens found a step late, aborts of a request whose step is in flight, the strea
 """
 
 import pytest
+import tiny_config
 from engine_utils import run_streaming
 
-from configs import tiny
 from experiments import build
 from kvpage import batch as batch_lib
 from kvpage.host.request import PLACEHOLDER, Request, SamplingParams
@@ -21,11 +21,11 @@ PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8]]
 
 @pytest.fixture(scope="module")
 def params():
-  return llama.random_init(tiny.get_config().model, seed=0)
+  return llama.random_init(tiny_config.get_config().model, seed=0)
 
 
 def engine_for(params, async_scheduling: bool, num_pages: int = 64):
-  config = tiny.get_config()
+  config = tiny_config.get_config()
   config.scheduler.update(dict(async_scheduling=async_scheduling, watermark=0.0))
   return build.llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
                             page_size=16)

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
+import tiny_config
 
-from configs import tiny
 from experiments import build
 from kvpage.host.request import SamplingParams
 from models import llama
@@ -23,6 +23,7 @@ def reference_outputs():
   """What experiments/generate.py prints for the same prompts (random tiny weights, greedy)."""
   result = subprocess.run(
       [sys.executable, "-m", "experiments.generate", "--config=configs/tiny.py",
+       f"--config.model.num_layers={tiny_config.NUM_LAYERS}",
        "--prompt_ids=" + ";".join(",".join(map(str, p)) for p in PROMPTS),
        f"--max_new_tokens={MAX_TOKENS}", "--page_size=16"],
       cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -35,7 +36,7 @@ def reference_outputs():
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_run_matches_generate(reference_outputs, mode, async_scheduling,
                                         num_decode_steps):
-  config = tiny.get_config()
+  config = tiny_config.get_config()
   # 11 usable pages for four requests that grow to 15 pages; admission is told to
   # expect one output token, so it overcommits and preemption has to absorb the growth.
   config.scheduler.update(dict(preemption_mode=mode, watermark=0.0, output_estimate="fixed",

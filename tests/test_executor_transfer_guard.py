@@ -12,8 +12,8 @@ host-to-device ones are checked everywhere.
 import jax
 import numpy as np
 import pytest
+import tiny_config
 
-from configs import tiny
 from experiments import build
 from kvpage.host.request import SamplingParams
 from models import llama
@@ -34,11 +34,11 @@ RUNS = {  # name -> scheduler overrides, KV pages (null page included)
 
 @pytest.fixture(scope="module")
 def params():
-  return llama.random_init(tiny.get_config().model, seed=0)
+  return llama.random_init(tiny_config.get_config().model, seed=0)
 
 
 def engine_for(params, overrides: dict, num_pages: int):
-  config = tiny.get_config()
+  config = tiny_config.get_config()
   config.scheduler.update(dict(watermark=0.0, **overrides))
   return build.llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
                             page_size=16, num_host_pages=config.scheduler.num_host_pages)

@@ -14,9 +14,9 @@ every real step, traced inside the jitted step) with the reference, through a
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tiny_config
 
 from configs import scheduler as scheduler_lib
-from configs import tiny
 from experiments import build
 from kvpage.device.attention import pallas as paged_attention
 from kvpage.device.attention import reference
@@ -28,7 +28,7 @@ NUM_NEW_TOKENS = 5
 
 
 def greedy_tokens(impl: str, chunk_size: int) -> list[list[int]]:
-  model = tiny.get_config().model
+  model = tiny_config.get_config().model
   model.attention_impl = impl
   scheduler_config = scheduler_lib.get_scheduler_config()
   scheduler_config.prefill_policy = "chunked" if chunk_size else "none"
@@ -60,7 +60,7 @@ def test_pallas_and_reference_generate_the_same_greedy_tokens(monkeypatch):
   assert not traces, "the reference run must not touch the kernels"
   actual = greedy_tokens("pallas", chunk_size)
   assert traces and all(traces), "the pallas run must call the kernels (interpret on CPU)"
-  num_layers = tiny.get_config().model.num_layers
+  num_layers = tiny_config.get_config().model.num_layers
   assert len(errors) >= num_layers * NUM_NEW_TOKENS  # every layer of every step
   assert np.max(errors) < 1e-5  # the tiny model is fp32
   assert [len(tokens) for tokens in expected] == [NUM_NEW_TOKENS] * len(PROMPTS)

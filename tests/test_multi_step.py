@@ -9,11 +9,11 @@ and compilation. Preemption is covered in test_engine_preemption.py.
 """
 
 import pytest
+import tiny_config
 from engine_utils import run_streaming
 
 from configs import hardware as hardware_lib
 from configs import scheduler as scheduler_lib
-from configs import tiny
 from experiments import build
 from kvpage.host import scheduler_config as policy
 from kvpage.host.request import Request, SamplingParams
@@ -27,12 +27,12 @@ MAX_TOKENS = [7, 21, 10]
 
 @pytest.fixture(scope="module")
 def params():
-  return llama.random_init(tiny.get_config().model, seed=0)
+  return llama.random_init(tiny_config.get_config().model, seed=0)
 
 
 def engine_for(params, *, num_decode_steps: int, async_scheduling: bool = True,
                num_pages: int = 64, attention_impl: str = "xla", **scheduler):
-  config = tiny.get_config()
+  config = tiny_config.get_config()
   config.model.attention_impl = attention_impl
   config.scheduler.update(dict(async_scheduling=async_scheduling, watermark=0.0,
                                num_decode_steps=num_decode_steps, **scheduler))
@@ -174,7 +174,7 @@ def test_a_decode_left_out_by_the_token_budget_keeps_steps_single():
 
 
 def test_simulated_multi_step_runs_every_request_to_its_length():
-  config = tiny.get_config()
+  config = tiny_config.get_config()
   config.scheduler.update(dict(num_decode_steps=8, watermark=0.0))
   engine = build.sim_engine(config.model, hardware_lib.get_hardware("cpu"),
                             config.scheduler, num_pages=64, page_size=16)

@@ -15,6 +15,10 @@ REQUIRED = ("num_requests", "num_admitted", "num_finished", "rejections", "num_p
             "prompt_tokens_per_s", "output_tokens_per_s", "premises")
 
 
+# Real runs of the tiny config with two of its four layers (tests/tiny_config.py says why).
+TWO_LAYERS = "--config.model.num_layers=2"
+
+
 def serve(workdir, *flags):
   cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", f"{workdir}/cache")  # tests/conftest.py
   return subprocess.run(
@@ -53,8 +57,8 @@ def test_simulated_13b(tmp_path):
 
 def serve_six_tiny_requests(tmp_path, output_len: int, *flags) -> tuple[dict, list[dict]]:
   """A real run of six requests at once; returns the summary and the step rows."""
-  result = serve(tmp_path, "--num_requests=6", "--arrival_rate=inf", "--prompt_len=uniform:4:30",
-                 f"--output_len={output_len}", *flags)
+  result = serve(tmp_path, TWO_LAYERS, "--num_requests=6", "--arrival_rate=inf",
+                 "--prompt_len=uniform:4:30", f"--output_len={output_len}", *flags)
   assert result.returncode == 0, result.stderr
   summary = check_summary(tmp_path)
   assert summary["num_finished"] == summary["num_admitted"] == 6
@@ -114,7 +118,7 @@ def test_unusable_inputs_fail_before_the_run(tmp_path):
 
 
 def test_measured_clock_starts_after_warmup(tmp_path):
-  result = serve(tmp_path, "--num_requests=4", "--arrival_rate=inf", "--prompt_len=8",
+  result = serve(tmp_path, TWO_LAYERS, "--num_requests=4", "--arrival_rate=inf", "--prompt_len=8",
                  "--output_len=2", "--max_num_seqs=8", "--max_num_batched_tokens=256")
   assert result.returncode == 0, result.stderr
   summary = check_summary(tmp_path)

@@ -5,9 +5,10 @@ import math
 import ml_collections
 import numpy as np
 import pytest
+import tiny_config
 
 from configs import hardware as hardware_lib
-from configs import llama_13b, tiny
+from configs import llama_13b
 from experiments import build
 from kvpage.host.request import SamplingParams
 from kvpage.sim import capacity, metrics, replay, workload
@@ -116,11 +117,11 @@ def test_13b_simulation_at_three_times_sustainable_rate_holds_the_line():
 
 @pytest.fixture(scope="module")
 def tiny_params():
-  return llama.random_init(tiny.get_config().model, seed=0)
+  return llama.random_init(tiny_config.get_config().model, seed=0)
 
 
 def tiny_engine(tiny_params, num_pages, **overrides):
-  config = tiny.get_config()
+  config = tiny_config.get_config()
   config.scheduler.update(overrides)
   return build.llama_engine(config.model, tiny_params, config.scheduler, num_pages=num_pages,
                             page_size=16, num_host_pages=config.scheduler.num_host_pages)
@@ -143,7 +144,7 @@ def test_real_and_simulated_runs_schedule_identically(tiny_params):
                               vocab_size=512, seed=5)
   schedules = []
   for kind in ("jax", "sim"):
-    config = tiny.get_config()
+    config = tiny_config.get_config()
     config.scheduler.update(dict(chunk_size=16, max_num_batched_tokens=32))
     if kind == "jax":
       engine = tiny_engine(tiny_params, num_pages=20, chunk_size=16, max_num_batched_tokens=32)

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_config
 
 from configs import scheduler as scheduler_lib
-from configs import tiny
 from experiments import build
 from kvpage import batch as batch_lib
 from kvpage.device import sampling
@@ -18,7 +18,7 @@ from kvpage.interface import ScheduledSequence
 from kvpage.sim import replay, workload
 from models import llama
 
-MODEL = tiny.get_config().model
+MODEL = tiny_config.get_config().model
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +118,7 @@ def test_step_donates_the_cache(params):
 
 
 def test_warmup_compiles_every_shape_serving_then_uses(params):
-  config = tiny.get_config()
+  config = tiny_config.get_config()
   config.scheduler.update(dict(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=32))
   engine = build.llama_engine(MODEL, params, config.scheduler, num_pages=64, page_size=16)
   num_programs = engine.executor.warmup(8, 64)

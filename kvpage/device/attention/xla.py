@@ -34,6 +34,9 @@ SPAN_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # chunks over a cached prefix, and mixed decode + chunk steps alike.
 PREFILL_QUERY_BLOCK = 256
 PREFILL_TOKENS_PER_TILE = 256
+# Smaller query blocks (and key tiles as long) a step whose longest prompt chunk fits
+# takes instead: 32 prompts of 64 tokens would otherwise fill 256-row blocks a quarter.
+PREFILL_BLOCK_LADDER = (64,)
 # Below this many query rows per table, products with the keys are multiply-and-reduce.
 MIN_MATMUL_ROWS = 8
 
@@ -247,7 +250,8 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
     * a sequence with one new token (a decode) is a row of `paged_decode_attention`'s
       computation, all of them at once;
     * a sequence with several (a prompt chunk) is cut into query blocks of
-      `query_block` tokens, and a loop runs over the blocks there are (a count known
+      `query_block` tokens (fewer, from `PREFILL_BLOCK_LADDER`, when the step's longest
+      chunk is that short), and a loop runs over the blocks there are (a count known
       only on the device): a block reads its sequence's pages tile by tile, only as far
       as its last token's position (causal), and scores all its tokens against each
       tile at once, a real matrix product.
@@ -261,9 +265,8 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
   pool = _layer_pool(k_pages, layer)
   reference.validate_static(q, pool, _layer_pool(v_pages, layer), page_tables, context_lens,
                             query_start_loc)
-  num_tokens, num_heads, head_dim = q.shape
-  num_kv_heads, num_pages, page_size, _ = pool.shape
-  group = num_heads // num_kv_heads
+  num_tokens, _, head_dim = q.shape
+  num_pages, page_size = pool.shape[1:3]
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   # Indexed by loop counters below: device arrays, whatever the caller passed.
   page_tables, context_lens, query_start_loc = (
@@ -277,11 +280,39 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
                             jnp.where(is_decode, context_lens, 0), num_pages, layer, sm_scale,
                             soft_cap, max(1, DECODE_TOKENS_PER_TILE // page_size))
 
-  # Prompt chunks: a loop over their query blocks (the used ones lead the schedule).
+  # Prompt chunks: query blocks as large as the longest chunk needs, up to `query_block`
+  # (a `lax.switch`, so short prompts do not pad each block to the largest size).
+  sizes = [size for size in PREFILL_BLOCK_LADDER if size < query_block] + [query_block]
+  longest = jnp.max(jnp.where(is_decode, 0, query_lens), initial=0)
+  index = sum((longest > size).astype(jnp.int32) for size in sizes[:-1])
+  branches = [
+      lambda q, page_tables, context_lens, query_start_loc, size=size: _prompt_chunks(
+          q, k_pages, v_pages, page_tables, context_lens, query_start_loc, layer=layer,
+          sm_scale=sm_scale, soft_cap=soft_cap, query_block=size,
+          pages_per_tile=max(1, min(size, tokens_per_tile) // page_size))
+      for size in sizes]
+  chunk_out = (branches[0](q, page_tables, context_lens, query_start_loc) if len(sizes) == 1
+               else jax.lax.switch(index, branches, q, page_tables, context_lens,
+                                   query_start_loc))
+
+  # Back to token order; padding tokens read zeros.
+  seq_ids, _ = reference.token_layout(query_start_loc, context_lens, num_tokens)
+  safe = jnp.maximum(seq_ids, 0)
+  out = jnp.where(is_decode[safe][:, None, None], decode_out[safe], chunk_out)
+  return jnp.where((seq_ids >= 0)[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def _prompt_chunks(q, k_pages, v_pages, page_tables, context_lens, query_start_loc, *, layer,
+                   sm_scale, soft_cap, query_block, pages_per_tile):
+  """Every prompt chunk's attention, `f32[num_tokens, num_heads, head_dim]` (zeros on the
+  other rows): a loop over the chunks' query blocks of `query_block` tokens (the used
+  ones lead the schedule), each scored against its sequence's pages tile by tile."""
+  num_tokens, num_heads, head_dim = q.shape
+  num_kv_heads, num_pages = k_pages.shape[-4], k_pages.shape[-3]
+  group = num_heads // num_kv_heads
   schedule, _ = query_blocks(query_start_loc, context_lens, num_tokens, query_block,
                              multi_token_only=True)
   num_blocks = jnp.sum(schedule[:, 2] > 0)
-  pages_per_tile = max(1, tokens_per_tile // page_size)
   padded_q = jnp.pad(q, ((0, query_block), (0, 0), (0, 0)))
   offsets = jnp.arange(query_block, dtype=jnp.int32)
 
@@ -302,11 +333,5 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
     return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(keep, block_out, previous),
                                                first_token, 0)
 
-  chunk_out = jax.lax.fori_loop(0, num_blocks, attend_block, jnp.zeros(
+  return jax.lax.fori_loop(0, num_blocks, attend_block, jnp.zeros(
       (num_tokens + query_block, num_heads, head_dim), jnp.float32))[:num_tokens]
-
-  # Back to token order; padding tokens read zeros.
-  seq_ids, _ = reference.token_layout(query_start_loc, context_lens, num_tokens)
-  safe = jnp.maximum(seq_ids, 0)
-  out = jnp.where(is_decode[safe][:, None, None], decode_out[safe], chunk_out)
-  return jnp.where((seq_ids >= 0)[:, None, None], out, 0.0).astype(q.dtype)
