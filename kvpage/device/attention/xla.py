@@ -23,9 +23,11 @@ import jax.numpy as jnp
 
 from kvpage.device.attention import reference
 
-# Measured on CPU (benchmarks/attention_cpu.py): KV tiles past ~128 tokens spill the
-# gathered keys out of cache and get slower, not faster; contexts that fit take one pass.
-DECODE_TOKENS_PER_TILE = 128
+# Measured on the 2-core CPU VM (variants interleaved in one process, tiny dims, one
+# layer): tiles of 64 tokens beat 128 by 15-20% at batch 64 x 100 tokens, 32 x 600 and
+# 32 x 2,000, and 256 is ~2x slower: a tile's gathered keys and values must stay in
+# cache. The gather (a copy) is most of the cost: ~6-7 of ~9 ms at 32 x 2,000.
+DECODE_TOKENS_PER_TILE = 64
 # Single-pass widths (in pages) the XLA paths pick from at run time; table_bucket's ladder.
 SPAN_LADDER = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 # Prompt chunks: query blocks of this many tokens, scored against KV tiles of this many.
