@@ -107,7 +107,7 @@ def load_hf(directory: pathlib.Path):
 
 
 class Contender:
-  """Something timed once per round: `run()` appends a wall time; `best`, `median`."""
+  """Something timed once per round: `run()` appends a wall time; `stats` sums them up."""
 
   def __init__(self):
     self.walls: list[float] = []
@@ -161,6 +161,8 @@ class KvpageContender(Contender):
     launches = self.engine.executor.num_launches
     self.timed(lambda: self._check(self.engine.generate(self.prompts, self.sampling)))
     self.num_launches = self.engine.executor.num_launches - launches
+    if self.recording:  # this run's launches only (another contender may share the engine)
+      self.records = self.recording.records
 
   def _check(self, requests) -> None:
     if any(len(r.output_ids) != self.sampling.max_tokens for r in requests):
@@ -169,7 +171,7 @@ class KvpageContender(Contender):
   def replay_decodes(self) -> dict:
     """The last run's decode-only launches through the jitted step alone, back to back."""
     executor, step = self.engine.executor, self.recording.step
-    decodes = [r for r in self.recording.records
+    decodes = [r for r in self.records
                if isinstance(r[0], batch_lib.DecodeStepBatch)]
     feed, iterations = None, 0
     start = time.perf_counter()
@@ -186,7 +188,7 @@ class KvpageContender(Contender):
     seconds = time.perf_counter() - start
     return dict(decode_launches=len(decodes), decode_iterations=iterations,
                 decode_ms_per_step=1e3 * seconds / max(iterations, 1),
-                launches=len(self.recording.records))
+                launches=len(self.records))
 
 
 class HfGenerate(Contender):

@@ -193,13 +193,14 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
   config = ml_collections.ConfigDict(config.to_dict())  # the caller's stays as it was
   trace = prepare(config, settings)
   hardware = hardware_lib.get_hardware(settings.hardware or config.hardware)
+  served = config  # the config with the model that will be served
   if settings.checkpoint:  # token ids drawn from the checkpoint's vocabulary, not the config's
-    checkpoint_config = ml_collections.ConfigDict(config.to_dict())
-    checkpoint_config.model = hf.load_config(settings.checkpoint)
-    trace = load_trace(checkpoint_config, settings)
+    served = ml_collections.ConfigDict(config.to_dict())
+    served.model = hf.load_config(settings.checkpoint)
+    trace = load_trace(served, settings)
   setup = build.serving_engine(config, executor=settings.executor, hardware=hardware,
                                checkpoint=settings.checkpoint, num_pages=settings.num_pages,
-                               pages_needed=pages_needed(config, settings, trace))
+                               pages_needed=pages_needed(served, settings, trace))
   summary, files = serve(setup, trace, settings, show_progress=show_progress, bars=bars)
   files["trace.jsonl"] = workload.to_jsonl(trace)
   return summary, files

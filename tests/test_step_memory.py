@@ -1,8 +1,9 @@
 """A long-context step's scratch memory grows with the pages it touches, not tokens x context.
 
 The compiled step's temporary memory (`memory_analysis().temp_size_in_bytes`) is read
-at two page-table widths, 1,024 and 2,048 tokens of context, for a decode step of 32
-sequences and for a mixed step (a 512-token prompt chunk beside 31 decodes). Doubling
+at two page-table widths, 1,024 and 2,048 tokens of context, for the shapes of a decode
+step of 32 sequences and of a mixed step (512 tokens, e.g. a prompt chunk beside 31
+decodes); the analysis is static, so shapes are all it reads. Doubling
 the context may add at most what the extra pages hold (one gather of them), never a
 per-token copy of the context: that would cost 512 x 1,024 tokens of K and V per
 layer, 16x more. (The XLA path folds key tiles: a decode step holds ~2.3 MB at 1,024
