@@ -63,6 +63,8 @@ class Scale:
   tiny_max_len: int | None = None  # the tiny model's context, and the token budget
   # (prefill-first needs a whole prompt to fit a step); None: the model's own
   tiny_long_prompt: int = 400  # the long prompts of the tiny workload's mix
+  tiny_num_layers: int | None = None  # the tiny model's depth (smoke: 2, half the
+  # compile time); None: the config's own
   quality_dtypes: tuple[str, ...] = ("fp32", "bf16")
 
 
@@ -74,7 +76,8 @@ SCALES = {
                    tiny_requests=8, tiny_rates=(8,), quality_prompt_len=48,
                    quality_tokens=3, tiny_chunks=(64,), quality_chunks=(16,),
                    tiny_warmup=False,  # smoke: compiles inside the (reported-only) run
-                   tiny_max_len=256, tiny_long_prompt=200, quality_dtypes=("fp32",)),
+                   tiny_max_len=256, tiny_long_prompt=200, quality_dtypes=("fp32",),
+                   tiny_num_layers=2),
 }
 SIM_CHUNKS = (256, 512, 1024, 2048)
 # The workload: one prompt in five is long (3,000 tokens), the rest short; outputs long
@@ -119,6 +122,8 @@ def tiny_cells(scale: Scale) -> tuple[ml_collections.ConfigDict, serve_bench.Ben
   config = tiny.get_config()
   if scale.tiny_max_len:
     config.model.max_seq_len = scale.tiny_max_len
+  if scale.tiny_num_layers:
+    config.model.num_layers = scale.tiny_num_layers
   budget = max((*scale.tiny_chunks, config.model.max_seq_len))
   settings = serve_bench.BenchSettings(
       executor="jax", num_requests=scale.tiny_requests, warmup=scale.tiny_warmup,
@@ -221,7 +226,8 @@ def claims(analysis: dict[str, Any], budget: int) -> list[dict[str, Any]]:
 
 
 def quality(*, prompt_len: int, num_tokens: int, chunks: Sequence[int] = (16, 64, 256),
-            dtypes: Sequence[str] = ("fp32", "bf16"), seed: int = 0) -> list[dict[str, Any]]:
+            dtypes: Sequence[str] = ("fp32", "bf16"), seed: int = 0,
+            num_layers: int | None = None) -> list[dict[str, Any]]:
   """Chunked against unchunked prefill of one prompt on the real (tiny) model, per dtype
   and chunk size: greedy token agreement over `num_tokens` tokens, and the largest logit
   difference over the generated positions while the tokens agree (so both runs see the
@@ -231,6 +237,8 @@ def quality(*, prompt_len: int, num_tokens: int, chunks: Sequence[int] = (16, 64
   rows = []
   for dtype in dtypes:
     model = tiny.get_config(dtype).model
+    if num_layers:
+      model.num_layers = num_layers
     reference = prefill_quality.greedy_with_logits(model, prompt_len=prompt_len,
                                                    num_tokens=num_tokens, chunk_size=0,
                                                    seed=seed)
@@ -275,7 +283,7 @@ def run(scale: Scale, directory: pathlib.Path, parts: Sequence[str] = ("sim", "t
   if "quality" in parts:
     record["quality"] = quality(prompt_len=scale.quality_prompt_len,
                                 num_tokens=scale.quality_tokens, chunks=scale.quality_chunks,
-                                dtypes=scale.quality_dtypes)
+                                dtypes=scale.quality_dtypes, num_layers=scale.tiny_num_layers)
   return record
 
 

@@ -95,8 +95,10 @@ def test_generate_fuzz(workers):
   @settings(FUZZ, max_examples=30)
   @given(fuzzed(GENERATE_FLAGS))
   def run(flags):
-    # One short prompt, two new tokens: a valid run reuses the cached compiled steps.
-    argv = ["--config=configs/tiny.py", "--prompt_ids=1,2,3", "--max_new_tokens=2", *flags]
+    # One short prompt, two new tokens, two layers: a valid run reuses the cached
+    # compiled steps, and one that changes a shape compiles a small program.
+    argv = ["--config=configs/tiny.py", "--config.model.num_layers=2", "--prompt_ids=1,2,3",
+            "--max_new_tokens=2", *flags]
     check(workers["generate"], argv)
 
   run()

@@ -310,7 +310,8 @@ def test_overload_pushes_back_with_hints_the_client_honours(server, capsys):
 @pytest.fixture(scope="module")
 def tiny_server(cache_dir):
   """Random weights (token ids only), four running slots, a one-second drain."""
-  process = ServerProcess("--config=configs/tiny.py", "--num_pages=256", "--max_num_seqs=4",
+  process = ServerProcess("--config=configs/tiny.py", "--config.model.num_layers=2",
+                          "--num_pages=256", "--max_num_seqs=4",
                           "--max_num_batched_tokens=64", "--warmup_sampling=false",
                           "--status_interval_s=0.1", "--drain_timeout_s=1.0",
                           cache_dir=cache_dir)
