@@ -3,7 +3,11 @@
 A config has three sections:
   * `model`: dimensions from `configs.model_table` plus the weight `dtype`;
   * `cache`: paged KV-cache layout (`page_size`, `kv_dtype`, `num_pages` or a budget);
-  * `hardware`: a key into `configs.hardware.HARDWARE`.
+  * `hardware`: a key into `configs.hardware.HARDWARE`;
+  * `mesh`: how many devices one step runs on (`tensor_parallel`; the simulator and the
+    capacity model split weights and KV heads over them);
+  * `sim`: the simulator's step rates (`calibration`: a calibration file; "" = the
+    hardware entry's own, calibrated or template).
 Later sections (scheduler, engine) are added by the modules that own them.
 """
 
@@ -11,6 +15,7 @@ import ml_collections
 
 from configs import model_table, scheduler
 from kvpage import units
+from kvpage.sim import capacity
 
 DTYPES = tuple(units.DTYPES)
 
@@ -32,8 +37,8 @@ def model_config(name: str, dtype: str) -> ml_collections.ConfigDict:
   return config
 
 
-def build(name: str, default_dtype: str, variant: str | None,
-          hardware: str) -> ml_collections.ConfigDict:
+def build(name: str, default_dtype: str, variant: str | None, hardware: str,
+          tensor_parallel: int = 1) -> ml_collections.ConfigDict:
   """A full config; `variant` (the part after `:` in `--config=file.py:variant`) is a dtype."""
   dtype = variant or default_dtype
   if dtype not in DTYPES:
@@ -45,6 +50,8 @@ def build(name: str, default_dtype: str, variant: str | None,
   config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0,
                                                 kv_memory_gib=4.0))
   config.hardware = hardware
+  config.mesh = ml_collections.ConfigDict(dict(tensor_parallel=tensor_parallel))
+  config.sim = ml_collections.ConfigDict(dict(calibration=""))
   config.seed = 0
   config.scheduler = scheduler.get_scheduler_config()
   return config
@@ -78,8 +85,9 @@ def check_model(model, where: str = "model") -> None:
   if model.num_heads % model.num_kv_heads:
     raise ValueError(f"{where}.num_kv_heads={model.num_kv_heads} must divide "
                      f"num_heads={model.num_heads}")
-  for name in ("rope_theta", "norm_eps"):
-    _positive_number(f"{where}.{name}", model.get(name))
+  if model.get("positions", "rope") == "rope":
+    _positive_number(f"{where}.rope_theta", model.get("rope_theta"))
+  _positive_number(f"{where}.norm_eps", model.get("norm_eps"))
   if model.get("dtype") not in DTYPES:
     raise ValueError(f"{where}.dtype {model.get('dtype')!r}: choose one of {', '.join(DTYPES)}")
   scaling = model.get("rope_scaling")
@@ -93,8 +101,14 @@ def check_model(model, where: str = "model") -> None:
 
 
 def check(config) -> None:
-  """`check_model` plus the `cache` section; the scheduler section has its own check."""
+  """`check_model` plus the `cache` and `mesh` sections; the scheduler section has its
+  own check."""
   check_model(config.model)
+  mesh = config.get("mesh")
+  if mesh is not None:
+    _positive_int("mesh.tensor_parallel", mesh.get("tensor_parallel"))
+    capacity.check_tensor_parallel(capacity.ModelShape.from_config(config.model),
+                                   mesh.tensor_parallel)
   cache = config.cache
   _positive_int("cache.page_size", cache.get("page_size"))
   _positive_int("cache.num_pages", cache.get("num_pages"), 0)

@@ -5,8 +5,10 @@ the honest figure for capacity planning; `nominal_memory_gb` is the marketing fi
 ("80GB") that back-of-envelope arithmetic reads as 10^9 bytes. Bandwidth is the
 datasheet's peak HBM bandwidth in bytes/s, and `peak_flops` the dense (no sparsity)
 fp16/bf16 tensor-core peak in FLOP/s. Efficiency factors (the fraction of peak a
-well-tuned kernel reaches) are used by the simulated executor; they are templates,
-to be re-decided from measurements, not truths.
+well-tuned kernel reaches) give the simulated executor its template step rates; they
+are templates, to be re-decided from measurements, not truths. An entry that names a
+`calibration` (a file in `configs/calibrations/`, fitted by `experiments/calibrate.py`
+on published or local step times) is priced by that file's rates instead.
 """
 
 from kvpage.sim.hardware import HardwareSpec
@@ -36,6 +38,17 @@ HARDWARE: dict[str, HardwareSpec] = {
             "312 TFLOPS dense FP16/BF16); nvidia-smi total 81,920 MiB",
         ),
         HardwareSpec(
+            name="a100_80gb_pcie",
+            memory_bytes=81_920 * _MIB,
+            nominal_memory_gb=80,
+            hbm_bandwidth=1_935e9,
+            peak_flops=312e12,
+            source="NVIDIA A100 Tensor Core GPU datasheet (PCIe 80GB: 1,935 GB/s HBM2e, "
+            "312 TFLOPS dense FP16/BF16, NVLink bridge for 2 GPUs at 600 GB/s); "
+            "nvidia-smi total 81,920 MiB",
+            calibration="a100_80gb_pcie.json",
+        ),
+        HardwareSpec(
             name="h100_80gb",
             memory_bytes=81_559 * _MIB,
             nominal_memory_gb=80,
@@ -44,6 +57,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             source="NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB: 3.35 TB/s HBM3, "
             "1,979 TFLOPS FP16/BF16 with sparsity = 989.4 dense); nvidia-smi total 81,559 MiB",
             host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s peak
+            interconnect_bandwidth=450e9,  # NVLink 4: 900 GB/s total
         ),
         HardwareSpec(
             name="h200_141gb",
@@ -54,6 +68,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             source="NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB: 4.8 TB/s HBM3e, "
             "1,979 TFLOPS FP16/BF16 with sparsity = 989.4 dense); nvidia-smi total 143,771 MiB",
             host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s peak
+            interconnect_bandwidth=450e9,  # NVLink 4: 900 GB/s total
         ),
         HardwareSpec(
             name="cpu",
@@ -68,6 +83,8 @@ HARDWARE: dict[str, HardwareSpec] = {
             compute_efficiency=0.3,
             bandwidth_efficiency=0.7,
             step_overhead_s=2e-4,
+            interconnect_bandwidth=20e9,  # devices forced on one host: a memcpy
+            interconnect_latency_s=5e-5,
         ),
     )
 }

@@ -17,7 +17,10 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       max_num_seqs=256,  # requests in the running set at once
       max_num_batched_tokens=2048,  # tokens computed in one step (prefill + decode)
       # Admission at arrival: bounded queue, token-based page estimate, watermark.
-      max_waiting=1024,  # admitted-but-not-running requests; beyond: 429
+      # watermark: 503 under cache pressure, 429 when the queue is full (kvpage's);
+      # queue_only: only the queue bound answers (vLLM's behaviour).
+      admission="watermark",
+      max_waiting=1024,  # admitted-but-not-running requests; beyond: 429; 0 = unbounded
       watermark=0.15,  # fraction of usable pages that must stay free after admission; else 503
       output_estimate="max_tokens",  # expected output tokens: max_tokens | fixed | running_mean
       fixed_output_estimate=256,  # used by output_estimate="fixed"

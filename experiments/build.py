@@ -3,28 +3,35 @@
 kvpage is model-agnostic and models import kvpage, so the two meet here, in the
 experiments layer: `llama_engine` closes the model's forward over its config, puts
 it behind a `JaxExecutor` with a paged cache, and pairs it with a `Scheduler`;
-`sim_engine` pairs the very same `Scheduler` with a `SimExecutor` on virtual time.
+`sim_engine` pairs the very same `Scheduler` with a `SimExecutor` on virtual time,
+its steps priced by a `StepModel` at the hardware's rates (`step_rates`: a calibration
+file's, or the entry's template).
 """
 
 import dataclasses
 import functools
 import math
+import pathlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import ml_collections
 
+import configs
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
 from kvpage.device.executor import JaxExecutor
 from kvpage.host.engine import Engine
 from kvpage.host.scheduler import Scheduler
-from kvpage.sim import capacity, premises
+from kvpage.sim import calibration, capacity, premises
 from kvpage.sim.clock import PacedClock, VirtualClock, WallClock
-from kvpage.sim.executor import Roofline, SimExecutor
+from kvpage.sim.executor import SimExecutor
 from kvpage.sim.hardware import HardwareSpec
+from kvpage.sim.step_model import StepModel, StepRates
 from models import hf, llama
+
+CALIBRATIONS = pathlib.Path(configs.__file__).parent / "calibrations"
 
 MAX_PAGES = 2**24  # pages in one pool: 268M tokens at 16 per page
 
@@ -115,28 +122,74 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                 async_scheduling=scheduler_config.async_scheduling)
 
 
+def step_rates(hardware: HardwareSpec, calibration_file: str = "") -> tuple[StepRates, str]:
+  """The simulator's step rates and where they come from: `calibration_file` when given,
+  else the file the hardware entry names (in `configs/calibrations/`), else its template."""
+  path = calibration_file or (str(CALIBRATIONS / hardware.calibration)
+                              if hardware.calibration else "")
+  if not path:
+    return StepRates.template(hardware), f"template rates of {hardware.name}"
+  record = calibration.load(path)
+  fitted = record.get("premises", {})
+  return (StepRates.from_dict(record["rates"]),
+          f"calibration {path} (fit on {fitted.get('model', '?')}, tensor parallel "
+          f"{fitted.get('tensor_parallel', '?')}, {fitted.get('hardware', '?')})")
+
+
+def step_model(config: ml_collections.ConfigDict, rates: StepRates,
+               hardware: HardwareSpec) -> StepModel:
+  """Prices `config`'s model on one device of its `mesh.tensor_parallel` group."""
+  return StepModel(capacity.ModelShape.from_config(config.model), rates,
+                   weight_dtype=config.model.dtype, kv_dtype=config.cache.kv_dtype,
+                   page_size=config.cache.page_size,
+                   tensor_parallel=config.mesh.tensor_parallel,
+                   host_link_bandwidth=hardware.host_link_bandwidth)
+
+
 def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
                scheduler_config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
                kv_dtype: str | None = None, num_host_pages: int = 0,
-               paced: bool = False) -> Engine:
-  """An engine over a simulated GPU: the same scheduler, a roofline executor, virtual time
-  (`paced`: wall time, each step slept through, to serve live clients)."""
+               paced: bool = False, tensor_parallel: int = 1,
+               rates: StepRates | None = None) -> Engine:
+  """An engine over a simulated GPU group: the same scheduler, a `StepModel` executor,
+  virtual time (`paced`: wall time, each step slept through, to serve live clients).
+  `rates`: default the hardware's own (`step_rates`)."""
   clock = PacedClock() if paced else VirtualClock()
-  roofline = Roofline(capacity.ModelShape.from_config(model_config), hardware,
-                      weight_dtype=model_config.dtype, kv_dtype=kv_dtype, page_size=page_size)
+  model = StepModel(capacity.ModelShape.from_config(model_config),
+                    rates or step_rates(hardware)[0], weight_dtype=model_config.dtype,
+                    kv_dtype=kv_dtype, page_size=page_size, tensor_parallel=tensor_parallel,
+                    host_link_bandwidth=hardware.host_link_bandwidth)
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
                         max_model_len=model_config.max_seq_len, num_host_pages=num_host_pages,
                         clock=clock, vocab_size=model_config.vocab_size)
-  return Engine(scheduler, SimExecutor(roofline, clock))
+  return Engine(scheduler, SimExecutor(model, clock))
 
 
 def sim_pool_pages(model_config: ml_collections.ConfigDict, hardware: HardwareSpec, *,
-                   page_size: int, kv_dtype: str | None = None) -> int:
-  """Pages (null page included) that the device holds after the weights: `kvpage.sim.capacity`."""
+                   page_size: int, kv_dtype: str | None = None,
+                   tensor_parallel: int = 1) -> int:
+  """Pages (null page included) that each device of the group holds after its share of
+  the weights: `kvpage.sim.capacity`."""
   plan = capacity.plan(capacity.ModelShape.from_config(model_config), seq_len=page_size,
                        memory_bytes=hardware.memory_bytes, weight_dtype=model_config.dtype,
-                       kv_dtype=kv_dtype, page_size=page_size)
+                       kv_dtype=kv_dtype, page_size=page_size, tensor_parallel=tensor_parallel)
   return plan.pool_pages + 1
+
+
+def check_runnable(config: ml_collections.ConfigDict,
+                   model: ml_collections.ConfigDict | None = None) -> None:
+  """Raises ValueError unless the JAX model can run `config` (its `model` section, or
+  `model`, a checkpoint's) on this host: a Llama (RoPE, SwiGLU) on one device (sharding
+  is the parallelism issue's)."""
+  model = config.model if model is None else model
+  if model.get("positions", "rope") != "rope" or model.get("ffn_matrices", 3) != 3:
+    raise ValueError(f"{model.get('name', 'the model')} is a shape for the simulator and the "
+                     "capacity model only (learned positions, a plain MLP): the JAX model is "
+                     "Llama's; run it with --executor=sim")
+  tensor_parallel = config.get("mesh", {}).get("tensor_parallel", 1)
+  if tensor_parallel != 1:
+    raise ValueError(f"mesh.tensor_parallel={tensor_parallel}: real runs use one device "
+                     "today; simulate it with --executor=sim")
 
 
 @dataclasses.dataclass
@@ -202,20 +255,28 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
       # page; a real pool is bounded by `check_memory` instead, which names the bytes.
       if not 0 <= value <= MAX_PAGES:
         raise ValueError(f"--{name} must be in [0, {MAX_PAGES:,}], got {value:,}")
+    tensor_parallel = config.mesh.tensor_parallel
     num_pages = num_pages or sim_pool_pages(config.model, hardware, page_size=page_size,
-                                            kv_dtype=config.cache.kv_dtype)
+                                            kv_dtype=config.cache.kv_dtype,
+                                            tensor_parallel=tensor_parallel)
+    rates, rates_source = step_rates(hardware, config.sim.calibration)
     engine = sim_engine(config.model, hardware, config.scheduler, num_pages=num_pages,
                         page_size=page_size, kv_dtype=config.cache.kv_dtype,
-                        num_host_pages=host_pages, paced=paced)
-    return ServingSetup(engine, config, num_pages, dataclasses.asdict(hardware))
+                        num_host_pages=host_pages, paced=paced,
+                        tensor_parallel=tensor_parallel, rates=rates)
+    record = dict(dataclasses.asdict(hardware), tensor_parallel=tensor_parallel,
+                  step_rates=rates.to_dict(), step_rates_source=rates_source)
+    return ServingSetup(engine, config, num_pages, record)
   if checkpoint:
     model_config, params = hf.load(checkpoint)
+    check_runnable(config, model_config)
     config.model = model_config
     config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
   num_pages, pool_reason = real_pool_pages(config, config.model, num_pages=num_pages,
                                            checkpoint=bool(checkpoint),
                                            pages_needed=pages_needed)
   if not checkpoint:
+    check_runnable(config)
     check_memory(config.model, num_pages=num_pages, page_size=page_size,
                  kv_dtype=config.cache.kv_dtype, num_host_pages=host_pages)
     params = llama.random_init(config.model, config.seed)

@@ -39,6 +39,9 @@ _RESERVE_GB = flags.DEFINE_float(
     "reserve_gb", 0.0, "Memory kept for activations/workspace (see --units).")
 _UNITS = flags.DEFINE_string("units", "gb", "`gb` = 10^9 bytes or `gib` = 2^30 bytes.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
+_TENSOR_PARALLEL = flags.DEFINE_integer(
+    "tensor_parallel", None, "Shortcut for --config.mesh.tensor_parallel: devices the model "
+    "is split over (every figure is then one device's).")
 
 UNIT_BYTES = {"gb": 10**9, "gib": 2**30}
 
@@ -62,7 +65,7 @@ def build_plans(config, hardware: hardware_lib.HardwareSpec, *, seq_len: int, dt
   reserve = _to_bytes(reserve_gb, unit, "reserve_gb")
   exact_weights = capacity.weight_bytes(model, dtype)
   common = dict(seq_len=seq_len, weight_dtype=dtype, kv_dtype=kv_dtype, page_size=page_size,
-                reserve_bytes=reserve)
+                reserve_bytes=reserve, tensor_parallel=config.mesh.tensor_parallel)
   plans = {
       "nominal": capacity.plan(
           model, memory_bytes=round(hardware.nominal_memory_gb * 10**9),
@@ -92,6 +95,8 @@ def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
       f"  sequence     {first.seq_len:,} tokens per fully-grown request",
       f"  page size    {first.page_size} tokens per KV page",
       f"  hardware     {hardware.name}: {hardware.source}",
+      *([f"  devices      tensor parallel {first.tensor_parallel}: weights and KV heads split "
+         "over them; every figure below is one device's"] if first.tensor_parallel > 1 else []),
       f"  units        {unit_label}; byte counts are exact",
       "  premises     nominal = marketed size read as 10^9 bytes, weights rounded to whole GB;",
       "               exact = driver-reported memory, weights from the exact parameter count",
@@ -123,6 +128,8 @@ def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   config = cli.load_config(_CONFIG)
+  if _TENSOR_PARALLEL.value is not None:
+    config.mesh.tensor_parallel = _TENSOR_PARALLEL.value
   configs_check.check(config)
   if _UNITS.value not in UNIT_BYTES:
     raise ValueError(f"unknown --units {_UNITS.value!r}; choose one of: gb, gib")

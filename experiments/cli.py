@@ -219,7 +219,7 @@ def define_config(default: str, help_string: str) -> flags.FlagHolder:
 
 SCHEDULER_SHORTCUTS = ("prefill_policy", "chunk_size", "preemption_mode", "max_num_seqs",
                        "max_num_batched_tokens", "max_waiting", "watermark", "output_estimate",
-                       "num_decode_steps")
+                       "num_decode_steps", "admission")
 
 
 def define_scheduler_shortcuts() -> dict[str, flags.FlagHolder]:

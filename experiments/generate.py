@@ -79,6 +79,7 @@ def main(argv: list[str]) -> None:
     model_config, params = hf.load(_CHECKPOINT.value)
   else:
     model_config = config.model
+  build.check_runnable(config, model_config)
   if _ATTENTION.value:
     model_config.attention_impl = _ATTENTION.value
   prompts = parse_prompts(_PROMPT_IDS.value, model_config.vocab_size)

@@ -36,6 +36,11 @@ _CONFIG = cli.define_config("configs/tiny.py", "Model config file.")
 # A run's settings: each flag is the `BenchSettings` field of its name.
 flags.DEFINE_enum("executor", "jax", ["jax", "sim"], "Real model or simulated GPU.")
 flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
+_CALIBRATION = flags.DEFINE_string(
+    "calibration", None, "Shortcut for --config.sim.calibration: a calibration file "
+    "(experiments/calibrate.py) whose rates price simulated steps.")
+_TENSOR_PARALLEL = flags.DEFINE_integer(
+    "tensor_parallel", None, "Shortcut for --config.mesh.tensor_parallel (simulated devices).")
 flags.DEFINE_integer("num_requests", 96, "Requests in the workload.")
 flags.DEFINE_string("arrival_rate", "40", "Requests/s; `inf` = all at once.")
 flags.DEFINE_string("arrival_process", "poisson", "poisson | gamma:CV (bursty).")
@@ -44,6 +49,9 @@ flags.DEFINE_string("prompt_len", "lognormal:64:512",
 flags.DEFINE_string("output_len", "uniform:16:128", "Same forms as --prompt_len.")
 flags.DEFINE_string("priority", "0", "N | uniform:LO:HI (lower = more important).")
 flags.DEFINE_string("trace", None, "Replay this JSONL trace instead of synthesizing.")
+flags.DEFINE_string("lengths_csv", None, "(prompt, output) lengths, replayed in order from "
+                    "a CSV (columns prompt_len, output_len or num_prefill_tokens, "
+                    "num_decode_tokens), instead of --prompt_len / --output_len.")
 flags.DEFINE_string("checkpoint", None, "Serve a Hugging Face Llama checkpoint.")
 flags.DEFINE_bool("ignore_eos", True, "Generate exactly output_len tokens.")
 flags.DEFINE_integer(
@@ -82,6 +90,7 @@ class BenchSettings:
   output_len: str = "uniform:16:128"
   priority: str = "0"
   trace: str | None = None
+  lengths_csv: str | None = None
   checkpoint: str | None = None
   ignore_eos: bool = True
   max_tokens: int = 0
@@ -127,6 +136,10 @@ def config_from_flags() -> ml_collections.ConfigDict:
   """`--config` with its overrides and the scheduler shortcut flags applied."""
   config = cli.load_config(_CONFIG)
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
+  if _CALIBRATION.value is not None:
+    config.sim.calibration = _CALIBRATION.value
+  if _TENSOR_PARALLEL.value is not None:
+    config.mesh.tensor_parallel = _TENSOR_PARALLEL.value
   return config
 
 
@@ -149,7 +162,8 @@ def load_trace(config: ml_collections.ConfigDict,
   return workload.synthesize(
       num_requests=settings.num_requests, arrival_rate=rate, prompt_len=settings.prompt_len,
       output_len=settings.output_len, vocab_size=config.model.vocab_size, seed=settings.seed,
-      arrival_process=settings.arrival_process, priority=settings.priority)
+      arrival_process=settings.arrival_process, priority=settings.priority,
+      lengths=workload.load_lengths_csv(settings.lengths_csv) if settings.lengths_csv else None)
 
 
 def prepare(config: ml_collections.ConfigDict,
@@ -297,6 +311,7 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
       workload=dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
                     prompt_len=settings.prompt_len, output_len=settings.output_len,
                     priority=settings.priority, trace=settings.trace,
+                    lengths_csv=settings.lengths_csv,
                     ignore_eos=settings.ignore_eos, max_tokens=settings.max_tokens,
                     observed=workload.summarize(trace)),
       checkpoint=settings.checkpoint, warmup=settings.warmup,
@@ -323,10 +338,13 @@ def format_summary(summary: dict) -> str:
       f"  policy    prefill={p['policies']['prefill_policy']} chunk={p['policies']['chunk_size']} "
       f"budget={p['policies']['max_num_batched_tokens']} "
       f"preemption={p['policies']['preemption_mode']} "
+      f"admission={p['policies'].get('admission', 'watermark')} "
       f"watermark={p['policies']['watermark']} max_waiting={p['policies']['max_waiting']} "
       f"decode_steps={p['policies'].get('num_decode_steps', 1)}",
       f"  cache     {summary['pages_total']:,} pages x {p['page_size']} tokens"
       + (f" ({p['pool_reason']})" if p.get("pool_reason") else ""),
+      *([f"  steps     tensor parallel {p['hardware']['tensor_parallel']}, priced by "
+         f"{p['hardware']['step_rates_source']}"] if "step_rates_source" in p["hardware"] else []),
       "",
       f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
       f"  rejections               {summary['rejections']}",

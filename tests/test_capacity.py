@@ -88,7 +88,7 @@ def test_block_rounding_and_pool_tokens():
                            memory_bytes=10 * 10**9), "does not fit"),
     (lambda: capacity.plan(LLAMA_13B, seq_len=4096, weight_dtype="fp16", page_size=0,
                            memory_bytes=80 * 10**9), "page_size must be"),
-    (lambda: hardware_lib.get_hardware("tpu"), "a100_40gb, a100_80gb, cpu"),
+    (lambda: hardware_lib.get_hardware("tpu"), "a100_40gb, a100_80gb, a100_80gb_pcie, cpu"),
 ])
 def test_bad_input_names_the_problem(call, message):
   with pytest.raises(ValueError, match=message):

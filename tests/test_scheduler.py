@@ -339,7 +339,7 @@ def test_update_rejects_a_missing_sample_and_a_replayed_step():
     ("output_estimate", "median", "choose one of: max_tokens, fixed, running_mean"),
     ("max_num_seqs", 0, "max_num_seqs must be an integer >= 1"),
     ("max_num_batched_tokens", -5, "max_num_batched_tokens must be an integer >= 1"),
-    ("max_waiting", 0, "max_waiting must be an integer >= 1"),
+    ("max_waiting", -1, "max_waiting must be an integer >= 0"),
     ("chunk_size", -1, "chunk_size must be an integer >= 0"),
     ("watermark", 1.0, "watermark must be a fraction"),
     ("max_retry_after_s", 0.0, "max_retry_after_s must be > 0"),

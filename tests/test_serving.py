@@ -1,6 +1,5 @@
 """The engine holds the KV-cache line under overload, in simulation (13B) and for real (tiny)."""
 
-import math
 
 import ml_collections
 import numpy as np
@@ -12,7 +11,6 @@ from configs import llama_13b
 from experiments import build
 from kvpage.host.request import SamplingParams
 from kvpage.sim import capacity, metrics, replay, workload
-from kvpage.sim.executor import Roofline
 from models import llama
 
 A100 = hardware_lib.get_hardware("a100_80gb")
@@ -55,24 +53,6 @@ def assert_line_held(requests, recorder, engine):
   assert blocks.num_free_pages == blocks.num_usable_pages
 
 
-def test_roofline_prefill_is_compute_bound_and_decode_bandwidth_bound():
-  roofline = Roofline(capacity.ModelShape.from_config(LLAMA_13B.model), A100,
-                      weight_dtype="fp16")
-  prefill = roofline.step_cost([(2048, 2048)])
-  decode = roofline.step_cost([(1, 1024)] * 32)
-  assert prefill.bound == "compute" and decode.bound == "memory"
-  # Decode at batch 1 is the weights over bandwidth: 26.03 GB less the input embedding
-  # table (a 32000 x 5120 fp16 gather of one row), over 2,039 GB/s x 0.8.
-  single = roofline.step_cost([(1, 1)])
-  weights_read = 26_031_728_640 - 32000 * 5120 * 2 + 5120 * 2
-  assert math.isclose(single.memory_s, (weights_read + 819_200) / (2_039e9 * 0.8),
-                      rel_tol=1e-9)
-  # Prefill FLOPs: 2 x decoder-layer params per token, the LM head for one row only.
-  layer_params = 13_015_864_320 - 2 * 32000 * 5120
-  assert prefill.flops > 2 * layer_params * 2048 + 2 * 32000 * 5120
-  assert single.seconds == pytest.approx(single.memory_s + A100.step_overhead_s)
-
-
 def test_capacity_cross_check_fully_grown_4k_requests():
   """At most as many fully-grown 4k requests as kvpage.sim.capacity says fit, and exactly that many.
 
@@ -113,6 +93,38 @@ def test_13b_simulation_at_three_times_sustainable_rate_holds_the_line():
   assert set(summary["rejections"]) <= {"400", "429", "503"} and summary["rejections"]["400"] == 0
   assert max_waiting <= config.scheduler.max_waiting
   assert_line_held(requests, recorder, engine)
+
+
+def queue_waits(policy: str, rate: float, lengths: dict) -> tuple[list[float], dict]:
+  """Queue waits of the admitted requests in arrival order, and the run's summary."""
+  engine, _ = sim_13b(dict(admission=policy, max_waiting=0 if policy == "queue_only" else 32))
+  requests, recorder, _ = run(engine, workload.synthesize(num_requests=400, arrival_rate=rate,
+                                                          **lengths))
+  rows = [row for row in recorder.request_rows() if row["queue_wait_s"] is not None]
+  assert_line_held(requests, recorder, engine)
+  return [row["queue_wait_s"] for row in rows], recorder.summary({})
+
+
+def test_queue_only_admission_queues_without_bound_past_saturation():
+  """vLLM's behaviour: past saturation every request queues, so the wait grows along
+  the run while throughput plateaus; the watermark keeps the wait bounded by refusing."""
+  lengths = dict(prompt_len="uniform:256:2048", output_len="uniform:64:512", vocab_size=32000,
+                 seed=1)
+  engine, _ = sim_13b()
+  _, recorder, _ = run(engine, workload.synthesize(num_requests=200, arrival_rate=1000.0,
+                                                   **lengths))
+  saturated = recorder.summary({})
+  sustainable = saturated["num_finished"] / saturated["duration_s"]
+  waits, summary = queue_waits("queue_only", 3 * sustainable, lengths)
+  assert summary["num_rejected"] == 0 and len(waits) == 400  # nothing pushed back
+  quarter = len(waits) // 4
+  first, last = np.mean(waits[:quarter]), np.mean(waits[-quarter:])
+  assert last > 4 * first and last > 10.0  # the queue grows along the run
+  throughput = summary["num_finished"] / summary["duration_s"]
+  assert throughput == pytest.approx(sustainable, rel=0.25)  # the plateau
+  bounded, held = queue_waits("watermark", 3 * sustainable, lengths)
+  assert held["num_rejected"] > 0.2 * 400  # refused at the door instead
+  assert max(bounded) < last / 2
 
 
 @pytest.fixture(scope="module")

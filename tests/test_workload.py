@@ -92,3 +92,32 @@ def test_empty_and_duplicate_traces_are_rejected(tmp_path):
   path.write_text(entry * 2)
   with pytest.raises(ValueError, match="'a' appears more than once"):
     workload.load_jsonl(path)
+
+
+def test_lognormal_takes_a_sigma():
+  rng = np.random.default_rng(0)
+  narrow = workload.parse_lengths("lognormal:300:100000:0.25")(rng, 20000)
+  wide = workload.parse_lengths("lognormal:300:100000:2")(rng, 20000)
+  assert 280 < np.median(narrow) < 320 and 250 < np.median(wide) < 350
+  # sigma is the standard deviation of log(length)
+  assert np.std(np.log(narrow)) == pytest.approx(0.25, rel=0.05)
+  assert np.std(np.log(wide)) == pytest.approx(2.0, rel=0.05)
+  with pytest.raises(ValueError, match="0 < SIGMA <= 10"):
+    workload.parse_lengths("lognormal:300:4096:0")
+
+
+def test_lengths_replay_in_order_from_a_csv(tmp_path):
+  path = tmp_path / "lengths.csv"
+  path.write_text("num_prefill_tokens,num_decode_tokens,other\n100,7,x\n3000,250,y\n")
+  lengths = workload.load_lengths_csv(path)
+  assert lengths == [(100, 7), (3000, 250)]
+  trace = workload.synthesize(num_requests=5, arrival_rate=1.0, prompt_len="8",
+                              output_len="8", vocab_size=100, seed=0, lengths=lengths)
+  assert [(r.prompt_len, r.output_len) for r in trace] == [
+      (100, 7), (3000, 250), (100, 7), (3000, 250), (100, 7)]
+  (tmp_path / "bad.csv").write_text("prompt_len,output_len\n10,2.5\n")
+  with pytest.raises(ValueError, match=r"bad\.csv:2: lengths must be whole numbers"):
+    workload.load_lengths_csv(tmp_path / "bad.csv")
+  (tmp_path / "none.csv").write_text("a,b\n1,2\n")
+  with pytest.raises(ValueError, match="needs a header with prompt_len and output_len"):
+    workload.load_lengths_csv(tmp_path / "none.csv")

@@ -11,8 +11,13 @@ request may queue. The answers, checked in this order:
     admitted but not running (waiting or swapped out), would leave fewer free pages
     than the watermark. The memory line is held first, so when both the cache and the
     queue say no, the client hears about the cache.
-  * **429** the waiting queue is full (`max_waiting`).
+  * **429** the waiting queue is full (`max_waiting`; 0 = unbounded).
   * **200** admitted.
+
+That is `admission="watermark"`, kvpage's policy. `admission="queue_only"` is how vLLM
+behaves: no cache-pressure 503 and no watermark 400, only the queue bound answers 429
+(and with `max_waiting=0` nothing does: every request queues, as in vLLM before v0.29),
+so the simulator can reproduce other systems and the studies can compare against them.
 
 The free pages below the watermark are what running requests grow into; refusing at
 the door is what keeps them from being preempted later. Expected output length is a
@@ -108,7 +113,6 @@ class AdmissionControl:
     """400, 503, 429 or 200 for an arriving request (see the module docstring); the
     scheduler's `queues` feed the wait estimator's forecast."""
     rid, pool = request.request_id, self.page_pool
-    num_waiting = len(queues.waiting)
     max_tokens = request.sampling.max_tokens
     total = request.num_prompt_tokens + max_tokens
     if request.num_prompt_tokens == 0:
@@ -132,6 +136,8 @@ class AdmissionControl:
     # request can never be admitted and a 503 would have the client retry forever.
     floor = (estimate if self.config.output_estimate != "running_mean"
              else pool.pages_for(request.num_prompt_tokens + 1))
+    if self.config.admission == "queue_only":
+      return self._queue_bound(request, now, queues)
     if pool.num_usable_pages - floor < self.watermark_pages:
       return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
                        f"({self.watermark_pages:.1f} of {pool.num_usable_pages} pages kept free) "
@@ -146,12 +152,15 @@ class AdmissionControl:
           f"admitted waiting requests{held} would leave {left} of {pool.num_free_pages} free "
           f"pages, under the watermark of {self.watermark_pages:.1f}",
           self.wait.retry_after_pages(request, estimate, now, queues), rid, "kv_pressure")
-    if num_waiting >= self.config.max_waiting:
-      return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of "
-                       f"{self.config.max_waiting})",
-                       self.wait.retry_after_slots(
-                           request, num_waiting - self.config.max_waiting + 1, now, queues),
-                       rid, "queue_full")
+    return self._queue_bound(request, now, queues)
+
+  def _queue_bound(self, request: Request, now: float, queues: Queues) -> Admission:
+    """429 when the waiting queue is full, else 200."""
+    rid, num_waiting, bound = request.request_id, len(queues.waiting), self.config.max_waiting
+    if bound and num_waiting >= bound:
+      return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of {bound})",
+                       self.wait.retry_after_slots(request, num_waiting - bound + 1, now,
+                                                   queues), rid, "queue_full")
     self.wait.release(rid)
     return Admission(OK, "admitted", None, rid)
 
@@ -164,9 +173,12 @@ class AdmissionControl:
     """Whether the cache and the queue would take `request` now (one that passed the
     400 checks), behind the reservations ranked ahead of its id; no side effects
     beyond releasing lapsed reservations, so a study can probe it at any moment."""
+    queue_ok = not self.config.max_waiting or num_waiting < self.config.max_waiting
+    if self.config.admission == "queue_only":
+      return queue_ok
     left = (self.pages_left(self.estimate_pages(request))
             - self.wait.reserved_ahead(request.request_id, now))
-    return left >= self.watermark_pages and num_waiting < self.config.max_waiting
+    return left >= self.watermark_pages and queue_ok
 
   # Bookkeeping the scheduler calls.
   def add_backlog(self, request: Request) -> None:

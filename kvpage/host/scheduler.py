@@ -107,6 +107,9 @@ class Scheduler:
     # sequences, iterations), priced for the wait estimator when their samples return.
     self._launched: dict[int, tuple[float, int, int, int, int]] = {}
     self._last_update = float("-inf")
+    # The last priced launch: (step, seconds from its launch, or the previous step's
+    # return when launches overlap, to its samples). What `steps.jsonl` records.
+    self.last_step_time: tuple[int, float] | None = None
 
   # Arrivals and departures.
   def add_request(self, request: Request) -> Admission:
@@ -260,6 +263,7 @@ class Scheduler:
     now = self.clock()
     start, tokens, context, num_sequences, iterations = launched
     seconds = (now - max(start, self._last_update)) / iterations
+    self.last_step_time = (output.step, seconds * iterations)
     self._last_update = now
     self.admission.wait.observe_step(tokens, context, num_sequences, seconds)
 

@@ -7,15 +7,15 @@ section it is given. Pure Python: never imports jax.
 
 import ml_collections
 
+ADMISSIONS = ("watermark", "queue_only")
 OUTPUT_ESTIMATES = ("max_tokens", "fixed", "running_mean")
 PREFILL_POLICIES = ("none", "chunked")
 PREEMPTION_MODES = ("recompute", "swap", "abort")
 MAX_DECODE_STEPS = 256  # a launch returns [num_decode_steps, rows] samples
 
-_POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "max_waiting",
-                  "fixed_output_estimate", "output_estimate_window", "num_decode_steps",
-                  "step_cost_window")
-_NON_NEGATIVE_INTS = ("chunk_size", "num_host_pages", "retry_jitter_seed")
+_POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "fixed_output_estimate",
+                  "output_estimate_window", "num_decode_steps", "step_cost_window")
+_NON_NEGATIVE_INTS = ("max_waiting", "chunk_size", "num_host_pages", "retry_jitter_seed")
 _POSITIVE_FLOATS = ("default_retry_after_s", "max_retry_after_s", "retry_grace_s")
 
 
@@ -45,6 +45,7 @@ def check(config: ml_collections.ConfigDict, max_model_len: int) -> None:
       raise ValueError(f"scheduler.{key} must be true or false, got {config[key]!r}")
   if not 0 <= config.watermark < 1:
     raise ValueError(f"scheduler.watermark must be a fraction in [0, 1), got {config.watermark}")
+  _check_choice(config, "admission", ADMISSIONS)
   _check_choice(config, "output_estimate", OUTPUT_ESTIMATES)
   _check_choice(config, "prefill_policy", PREFILL_POLICIES)
   _check_choice(config, "preemption_mode", PREEMPTION_MODES)

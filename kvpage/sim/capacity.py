@@ -36,6 +36,8 @@ class ModelShape:
   vocab_size: int
   tie_embeddings: bool = False
   name: str = "model"
+  ffn_matrices: int = 3  # SwiGLU's gate, up, down; 2 for a plain MLP (OPT's fc1, fc2)
+  learned_positions: int = 0  # rows of a learned position table (OPT), 0 for RoPE
 
   def __post_init__(self):
     for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model",
@@ -43,6 +45,12 @@ class ModelShape:
       value = getattr(self, field)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"{self.name}: {field} must be a positive integer, got {value!r}")
+    if self.ffn_matrices not in (2, 3):
+      raise ValueError(f"{self.name}: ffn_matrices must be 2 (plain MLP) or 3 (SwiGLU), "
+                       f"got {self.ffn_matrices!r}")
+    if not isinstance(self.learned_positions, int) or self.learned_positions < 0:
+      raise ValueError(f"{self.name}: learned_positions must be an integer >= 0, "
+                       f"got {self.learned_positions!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"{self.name}: num_kv_heads={self.num_kv_heads} must divide "
@@ -69,9 +77,33 @@ def _check_positive(name: str, value: int) -> None:
     raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def kv_bytes_per_token(model: ModelShape, dtype: str) -> int:
-  """Bytes of keys and values one token holds across all layers."""
-  return 2 * dtype_bytes(dtype) * model.num_layers * model.num_kv_heads * model.head_dim
+def check_tensor_parallel(model: ModelShape, tensor_parallel: int) -> None:
+  """Raises ValueError unless `model` splits over `tensor_parallel` devices: query heads
+  and FFN features must divide evenly; KV heads must divide evenly or,
+  when there are fewer of them than devices, divide the device count (each is then
+  replicated, as vLLM does)."""
+  _check_positive("tensor_parallel", tensor_parallel)
+  tp = tensor_parallel
+  for field in ("num_heads", "ffn_dim"):  # the vocabulary is padded, as vLLM pads it
+    if getattr(model, field) % tp:
+      raise ValueError(f"{model.name}: {field}={getattr(model, field)} does not split over "
+                       f"tensor_parallel={tp} devices")
+  kv = model.num_kv_heads
+  if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
+    raise ValueError(f"{model.name}: num_kv_heads={kv} neither splits over nor replicates "
+                     f"evenly onto tensor_parallel={tp} devices")
+
+
+def kv_heads_per_device(model: ModelShape, tensor_parallel: int = 1) -> int:
+  """KV heads one device holds: its share, or one replicated head when heads < devices."""
+  return max(1, model.num_kv_heads // tensor_parallel)
+
+
+def kv_bytes_per_token(model: ModelShape, dtype: str, tensor_parallel: int = 1) -> int:
+  """Bytes of keys and values one token holds across all layers, on one device of a
+  `tensor_parallel` group (all of them at 1)."""
+  return (2 * dtype_bytes(dtype) * model.num_layers
+          * kv_heads_per_device(model, tensor_parallel) * model.head_dim)
 
 
 def pages_for_tokens(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
@@ -91,13 +123,16 @@ def kv_bytes_per_request(model: ModelShape, dtype: str, seq_len: int,
 
 
 def num_parameters(model: ModelShape) -> int:
-  """Parameters of a Llama-style decoder (RMSNorm, no biases, SwiGLU, GQA)."""
+  """Parameters of a decoder: Llama-style (RMSNorm, no biases, SwiGLU, GQA) by default;
+  `ffn_matrices=2` and `learned_positions` give OPT's plain MLP and position table
+  (its biases and LayerNorm shifts, under 0.1% of the weights, are left out)."""
   d, hd = model.d_model, model.head_dim
   attention = d * model.num_heads * hd * 2 + d * model.num_kv_heads * hd * 2  # q, o; k, v
-  mlp = 3 * d * model.ffn_dim  # gate, up, down
+  mlp = model.ffn_matrices * d * model.ffn_dim
   norms = 2 * d
   embeddings = model.vocab_size * d * (1 if model.tie_embeddings else 2)
-  return model.num_layers * (attention + mlp + norms) + d + embeddings
+  return (model.num_layers * (attention + mlp + norms) + d + embeddings
+          + model.learned_positions * d)
 
 
 def weight_bytes(model: ModelShape, dtype: str) -> int:
@@ -134,6 +169,7 @@ class CapacityPlan:
   model: str
   weight_dtype: str
   kv_dtype: str
+  tensor_parallel: int
   seq_len: int
   page_size: int
   memory_bytes: int
@@ -152,26 +188,32 @@ class CapacityPlan:
 
 def plan(model: ModelShape, *, seq_len: int, memory_bytes: int, weight_dtype: str,
          kv_dtype: str | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-         weight_bytes_override: int | None = None, reserve_bytes: int = 0) -> CapacityPlan:
+         weight_bytes_override: int | None = None, reserve_bytes: int = 0,
+         tensor_parallel: int = 1) -> CapacityPlan:
   """How many fully-grown requests of `seq_len` tokens a device holds at once.
 
   The pool is carved into pages of `page_size` tokens after the weights and the
   reserve; a request needs ceil(seq_len / page_size) pages. `weight_bytes_override`
-  replaces the weight bytes computed from the model's dimensions.
+  replaces the weight bytes computed from the model's dimensions. Over a
+  `tensor_parallel` group every figure is one device's: its share of the weights
+  (`weight_bytes_override` too is the whole model's) and of every page (its KV heads),
+  so the group holds as many requests as one device's pool does.
   """
   _check_positive("seq_len", seq_len)
   _check_positive("page_size", page_size)
+  check_tensor_parallel(model, tensor_parallel)
   kv_dtype = canonical_dtype(kv_dtype or weight_dtype)
-  weights = (weight_bytes(model, weight_dtype) if weight_bytes_override is None
-             else weight_bytes_override)
-  per_token = kv_bytes_per_token(model, kv_dtype)
+  weights = cdiv(weight_bytes(model, weight_dtype) if weight_bytes_override is None
+                 else weight_bytes_override, tensor_parallel)
+  per_token = kv_bytes_per_token(model, kv_dtype, tensor_parallel)
   page_bytes = per_token * page_size
   pool_pages = kv_pool_pages(memory_bytes, weights, page_bytes, reserve_bytes)
   pages_per_request = pages_for_tokens(seq_len, page_size)
   waste_tokens, waste_fraction = page_waste(seq_len, page_size)
   return CapacityPlan(
       model=model.name, weight_dtype=canonical_dtype(weight_dtype), kv_dtype=kv_dtype,
-      seq_len=seq_len, page_size=page_size, memory_bytes=memory_bytes, weight_bytes=weights,
+      tensor_parallel=tensor_parallel, seq_len=seq_len, page_size=page_size,
+      memory_bytes=memory_bytes, weight_bytes=weights,
       reserve_bytes=reserve_bytes, kv_bytes_per_token=per_token,
       kv_bytes_per_request=per_token * seq_len,
       kv_pool_bytes=memory_bytes - weights - reserve_bytes, pool_pages=pool_pages,

@@ -21,11 +21,18 @@ class HardwareSpec:
   compute_efficiency: float = 0.6
   bandwidth_efficiency: float = 0.8
   step_overhead_s: float = 1e-3
+  # Tensor-parallel all-reduces: bytes/s each way per device, and seconds per all-reduce.
+  interconnect_bandwidth: float = 300e9
+  interconnect_latency_s: float = 2e-5
+  # A calibration file (under configs/calibrations/) whose fitted step rates replace the
+  # template ones; None: the template.
+  calibration: str | None = None
   efficiency_source: str = (
       "templates: ~60% of dense tensor-core peak for large GEMMs and ~80% of peak HBM "
       "bandwidth for streaming kernels are typical measured fractions (e.g. the "
       "FlashAttention-2 paper reports 50-73% of A100 peak; STREAM-like copies reach 80-90% "
       "of HBM peak); ~1 ms per step of launch and framework overhead and ~25 GB/s of "
       "usable host<->device bandwidth (PCIe Gen4 x16, 32 GB/s peak) are likewise "
-      "templates to re-measure on the target machine."
+      "templates to re-measure on the target machine; all-reduces at NVLink's 300 GB/s "
+      "each way (A100: 600 GB/s total) and ~20 us of NCCL small-message latency."
   )

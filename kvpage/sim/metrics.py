@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from kvpage.host.request import Request, RequestStatus
+from kvpage.sim import step_model
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
@@ -39,6 +40,21 @@ def _first_event(request: Request, kind: str) -> float | None:
 
 
 MAX_FAILED_LISTED = 100
+
+
+def step_work(output: Any, last_step_time: tuple[int, float] | None) -> dict[str, Any]:
+  """A step's measured seconds (`step_s`: launch to samples back, None if unpriced) and
+  the counts its cost depends on (`work`, `kvpage.sim.step_model.step_counts` per
+  iteration), for `experiments/calibrate.py`."""
+  scheduled = output.scheduled
+  sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
+               for seq in scheduled]
+  work = step_model.step_counts(sequences, sum(seq.samples for seq in scheduled))
+  work.update(iterations=max((seq.num_steps for seq in scheduled), default=1),
+              swap_pages=len(output.swap_out) + len(output.swap_in))
+  seconds = (last_step_time[1] if last_step_time is not None
+             and last_step_time[0] == output.step else None)
+  return dict(step_s=seconds, work=work)
 
 
 def failed_requests(rows: Sequence[dict[str, Any]],
@@ -110,6 +126,7 @@ class MetricsRecorder:
                generated_tokens=sum(map(len, new_tokens.values())),
                num_seqs=len(output.scheduled), swap_pages=len(output.swap_out) + len(
                    output.swap_in))
+    row.update(step_work(output, getattr(self.scheduler, "last_step_time", None)))
     for key in ("preemptions", "rejections"):
       row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
       self._last[key] = dict(stats[key])

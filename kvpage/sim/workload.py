@@ -8,13 +8,16 @@ and output lengths, arriving on a seeded clock:
     (bursty: gamma gaps with the same mean and coefficient of variation CV > 1);
     `rate = inf` submits everything at t = 0;
   * lengths, as spec strings: `N` (fixed), `uniform:LO:HI`, `lognormal:MEDIAN:MAX`
-    (sigma 1, capped), `mix:FRACTION:LONG:SHORT` (e.g. `mix:0.1:8000:50`: 10% long);
+    (sigma 1, capped) or `lognormal:MEDIAN:MAX:SIGMA`, `mix:FRACTION:LONG:SHORT` (e.g.
+    `mix:0.1:8000:50`: 10% long); or (prompt, output) pairs replayed in order from a CSV
+    of a published trace (`load_lengths_csv`);
   * priorities: `N` or `uniform:LO:HI` (lower value = more important).
 
 Traces save and load as JSONL (one request per line), so a run can be replayed
 exactly. Pure Python + numpy.
 """
 
+import csv
 import dataclasses
 import json
 import math
@@ -116,19 +119,56 @@ def parse_lengths(spec: str) -> Sampler:
       raise ValueError(f"uniform spec {spec!r} needs 1 <= LO <= HI")
     return lambda rng, n: rng.integers(low, high + 1, n)
   if kind == "lognormal":
-    median, cap = _numbers(spec, ("median", "max"))
+    fields = ("median", "max", "sigma") if spec.count(":") == 3 else ("median", "max")
+    median, cap, *rest = _numbers(spec, fields)
+    sigma = rest[0] if rest else 1.0
     (cap,) = _lengths(spec, [cap], ("max",))
     if not 1 <= median <= cap:
       raise ValueError(f"lognormal spec {spec!r} needs 1 <= MEDIAN <= MAX")
-    return lambda rng, n: np.clip(np.round(rng.lognormal(math.log(median), 1.0, n)), 1, cap)
+    if not 0 < sigma <= 10:
+      raise ValueError(f"lognormal spec {spec!r} needs 0 < SIGMA <= 10")
+    return lambda rng, n: np.clip(np.round(rng.lognormal(math.log(median), sigma, n)), 1, cap)
   if kind == "mix":
     fraction, long, short = _numbers(spec, ("fraction", "long", "short"))
     if not 0 <= fraction <= 1:
       raise ValueError(f"mix spec {spec!r} needs 0 <= FRACTION <= 1")
     long, short = _lengths(spec, [long, short], ("long", "short"))
     return lambda rng, n: np.where(rng.random(n) < fraction, long, short)
-  raise ValueError(f"unknown length spec {spec!r}; use N, uniform:LO:HI, lognormal:MEDIAN:MAX "
-                   "or mix:FRACTION:LONG:SHORT")
+  raise ValueError(f"unknown length spec {spec!r}; use N, uniform:LO:HI, lognormal:MEDIAN:MAX"
+                   "[:SIGMA] or mix:FRACTION:LONG:SHORT")
+
+
+# Column names of (prompt, output) lengths in published traces: kvpage's own, and the
+# Sarathi-Serve / Vidur traces' (`num_prefill_tokens`, `num_decode_tokens`).
+LENGTH_COLUMNS = (("prompt_len", "output_len"), ("num_prefill_tokens", "num_decode_tokens"))
+
+
+def load_lengths_csv(path: str | pathlib.Path) -> list[tuple[int, int]]:
+  """(prompt, output) lengths, one per row of a CSV with a header naming them
+  (`LENGTH_COLUMNS`); names the first row that is not two whole lengths."""
+  try:
+    with open(path, newline="") as handle:
+      reader = csv.DictReader(handle)
+      columns = next((pair for pair in LENGTH_COLUMNS
+                      if set(pair) <= set(reader.fieldnames or ())), None)
+      if columns is None:
+        raise ValueError(f"{path}: needs a header with prompt_len and output_len (or "
+                         "num_prefill_tokens and num_decode_tokens)")
+      lengths = []
+      for number, row in enumerate(reader, start=2):
+        try:
+          pair = tuple(float(row[c]) for c in columns)
+        except (TypeError, ValueError):
+          raise ValueError(f"{path}:{number}: lengths must be numbers") from None
+        if any(v != int(v) or not 1 <= v <= MAX_LENGTH for v in pair):
+          raise ValueError(f"{path}:{number}: lengths must be whole numbers in "
+                           f"[1, {MAX_LENGTH:,}], got {pair}")
+        lengths.append((int(pair[0]), int(pair[1])))
+  except OSError as error:
+    raise ValueError(f"{path}: cannot read it ({error.strerror or error})") from None
+  if not lengths:
+    raise ValueError(f"{path}: no rows")
+  return lengths
 
 
 def _priority(spec: str, value: float) -> int:
@@ -181,8 +221,11 @@ def arrival_times(rng: np.random.Generator, num: int, rate: float, process: str)
 
 def synthesize(*, num_requests: int, arrival_rate: float, prompt_len: str, output_len: str,
                vocab_size: int, seed: int, arrival_process: str = "poisson",
-               priority: str = "0") -> list[TraceRequest]:
-  """A seeded workload; the same arguments always give the same trace."""
+               priority: str = "0",
+               lengths: Sequence[tuple[int, int]] | None = None) -> list[TraceRequest]:
+  """A seeded workload; the same arguments always give the same trace. `lengths`:
+  (prompt, output) pairs that request i takes in order (row i modulo their number),
+  instead of drawing from `prompt_len` and `output_len`."""
   if not 0 < num_requests <= MAX_REQUESTS:
     raise ValueError(f"num_requests must be in [1, {MAX_REQUESTS:,}], got {num_requests:,}")
   if vocab_size < 2:
@@ -196,6 +239,9 @@ def synthesize(*, num_requests: int, arrival_rate: float, prompt_len: str, outpu
   times = arrival_times(rng, num_requests, arrival_rate, arrival_process)
   prompts, outputs, priorities = (sampler(rng, num_requests).astype(np.int64)
                                   for sampler in samplers)
+  if lengths:
+    rows = np.array([lengths[i % len(lengths)] for i in range(num_requests)], np.int64)
+    prompts, outputs = rows[:, 0], rows[:, 1]
   total = int(prompts.sum())
   if total > MAX_TRACE_TOKENS:
     raise ValueError(f"the workload's prompts hold {total:,} tokens; a trace holds at most "

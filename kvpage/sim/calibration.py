@@ -1,0 +1,321 @@
+"""Fitting a step model's rates to measured step times, and the calibration file.
+
+`fit` takes measured steps (each a `StepWork` and its seconds) and finds the
+`StepRates` whose `StepModel` prices them best:
+
+  * Every part is linear in the inverse of its rate (seconds per FLOP, per byte, per
+    sequence), except the linear layers' `max(FLOPs / C, bytes / W)`. For that the fit
+    enumerates which steps are compute-bound: per regime (small, large), the steps
+    below a token threshold read weights (memory-bound) and the rest compute, for
+    every threshold between the steps' token counts (a coarse grid, then refined);
+    each assignment is one bounded least-squares solve (`scipy.optimize.lsq_linear`),
+    and the assignment whose *true* prediction (with the max) fits best wins.
+  * Rates cannot beat the datasheet: each inverse rate is bounded below by one over
+    the hardware's peak (`caps`), and small steps compute no faster than large ones
+    (the small regime's seconds per FLOP is the large one's plus a non-negative extra).
+  * `weighting="absolute"` (the default) fits seconds, as the simulator adds them up
+    along a run, so long steps weigh most; `"relative"` fits each step's relative
+    error, so short steps weigh as much as long ones.
+  * Decode attention and the per-sequence cost are indistinguishable when every
+    decode attends to about the same context (a published profile at one context
+    length): then (`tie_decode_attention`, chosen automatically by `decode_spread`)
+    decode attention reads KV at the small regime's weight bandwidth.
+  * The all-reduce's latency and link bandwidth, and host swaps, are not fit (one
+    tensor-parallel degree cannot separate them from launch and per-token costs): their
+    seconds, priced by the hardware entry, are taken off each step before fitting.
+
+A rate the data never exercises (no compute-bound small step, say) is not identified:
+it falls back to its sibling (small compute to large, large bandwidth to small) or to
+the hardware's template, and the fit says which.
+
+The file (`save` / `load`): JSON with the rates, the fit's premises (model, tensor
+parallel, hardware, samples, weighting) and every training and held-out point.
+
+Pure Python + numpy + scipy: never imports jax.
+"""
+
+import csv
+import dataclasses
+import itertools
+import json
+import math
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from scipy import optimize
+
+from kvpage.sim.hardware import HardwareSpec
+from kvpage.sim.step_model import StepModel, StepRates, StepWork
+
+WEIGHTINGS = ("absolute", "relative")
+# Decode contexts this close to their mean (relative standard deviation) cannot tell
+# per-sequence cost from KV reads.
+TIE_SPREAD = 0.1
+MAX_THRESHOLDS = 24  # per regime, in the coarse pass over memory/compute thresholds
+PROFILE_COLUMNS = ("batch_num_tokens", "batch_num_prefill_tokens", "batch_num_decode_tokens",
+                   "batch_size", "batch_execution_time")
+_COLUMNS = ("launch", "per_sequence", "small_weights", "large_weights", "flops",
+            "small_extra_flops", "prefill_attention", "decode_attention")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One measured step: its work on one device, its seconds, and a label for reports."""
+
+  work: StepWork
+  seconds: float
+  label: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+  """A fit's rates and how they were found."""
+
+  rates: StepRates
+  weighting: str
+  tied_decode_attention: bool
+  not_identified: tuple[str, ...]  # rates the samples never exercised (fallbacks)
+  rms_relative_error: float  # over the training samples
+
+  def describe(self) -> list[str]:
+    r = self.rates
+    lines = [
+        f"launch {1e3 * r.launch_s:.3f} ms, per sequence {1e3 * r.per_sequence_s:.4f} ms",
+        f"linear, steps < {r.knee_tokens} tokens: {r.small_flops / 1e12:.3g} TFLOP/s, "
+        f"weights at {r.small_bandwidth / 1e9:.4g} GB/s",
+        f"linear, steps >= {r.knee_tokens} tokens: {r.large_flops / 1e12:.3g} TFLOP/s, "
+        f"weights at {r.large_bandwidth / 1e9:.4g} GB/s",
+        f"prefill attention {r.prefill_attention_flops / 1e12:.3g} TFLOP/s; decode "
+        f"attention reads KV at {r.decode_attention_bandwidth / 1e9:.4g} GB/s"
+        + (" (tied to the small steps' weight bandwidth)" if self.tied_decode_attention else ""),
+        f"all-reduce (not fit): {1e6 * r.allreduce_latency_s:.0f} us + bytes at "
+        f"{r.link_bandwidth / 1e9:.4g} GB/s",
+        f"weighting {self.weighting}; RMS relative error {100 * self.rms_relative_error:.1f}%"]
+    if self.not_identified:
+      lines.append("not identified by these steps (fallbacks): " + ", ".join(self.not_identified))
+    return lines
+
+
+def decode_spread(samples: Sequence[Sample]) -> float:
+  """Relative standard deviation of the decode context per sequence over the samples
+  with decodes (0 when there are none)."""
+  per_sequence = [s.work.decode_kv_bytes / s.work.num_sequences for s in samples
+                  if s.work.decode_kv_bytes > 0]
+  if len(per_sequence) < 2:
+    return 0.0
+  return float(np.std(per_sequence) / np.mean(per_sequence))
+
+
+def _fixed_seconds(model: StepModel, work: StepWork) -> float:
+  """The parts the fit does not estimate: all-reduces and swaps."""
+  parts = model.price(work).parts
+  return parts["allreduce"] + parts["swap"]
+
+
+def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
+            tie: bool) -> np.ndarray:
+  rows = []
+  for w in works:
+    small = w.num_tokens < knee
+    memory = w.num_tokens < thresholds[0 if small else 1]
+    busy = 1.0 if w.num_tokens > 0 else 0.0
+    weights = w.weight_bytes if memory else 0.0
+    flops = 0.0 if memory else w.linear_flops
+    rows.append([busy, w.num_sequences,
+                 (weights if small else 0.0) + (w.decode_kv_bytes if tie else 0.0),
+                 0.0 if small else weights, flops, flops if small else 0.0,
+                 w.prefill_attention_flops, 0.0 if tie else w.decode_kv_bytes])
+  return np.array(rows, dtype=np.float64)
+
+
+def _predict(x: np.ndarray, works: Sequence[StepWork], knee: int, tie: bool) -> np.ndarray:
+  """Seconds for inverse rates `x` (in `_COLUMNS` order), with the true max()."""
+  launch, per_seq, small_w, large_w, flops, extra, prefill, decode = x
+  out = []
+  for w in works:
+    small = w.num_tokens < knee
+    compute = w.linear_flops * (flops + (extra if small else 0.0))
+    memory = w.weight_bytes * (small_w if small else large_w)
+    kv = w.decode_kv_bytes * (small_w if tie else decode)
+    out.append((1.0 if w.num_tokens > 0 else 0.0) * launch + per_seq * w.num_sequences
+               + max(compute, memory) + w.prefill_attention_flops * prefill + kv)
+  return np.array(out)
+
+
+def _thresholds(works: Sequence[StepWork], knee: int, small: bool) -> list[int]:
+  """Candidate memory/compute thresholds for one regime: each distinct token count of
+  its steps (a step is memory-bound below the threshold), plus one above them all."""
+  tokens = sorted({w.num_tokens for w in works if (w.num_tokens < knee) == small})
+  return [0, *tokens[1:], tokens[-1] + 1] if tokens else [0]
+
+
+def _thin(candidates: list[int], count: int) -> list[int]:
+  """At most `count` of `candidates`, evenly spread, the ends kept."""
+  if len(candidates) <= count:
+    return candidates
+  picks = np.linspace(0, len(candidates) - 1, count).round().astype(int)
+  return [candidates[i] for i in sorted(set(picks))]
+
+
+def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
+        weighting: str = "absolute", knee_tokens: int | None = None,
+        tie_decode_attention: bool | None = None, caps: bool = True,
+        source: str = "") -> Fit:
+  """Rates for `model`'s shapes that best price `samples` (see the module docstring)."""
+  if weighting not in WEIGHTINGS:
+    raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
+  samples = [s for s in samples if s.work.num_tokens > 0]
+  if len(samples) < 3:
+    raise ValueError(f"a fit needs at least 3 measured steps with tokens, got {len(samples)}")
+  if any(not (s.seconds > 0 and math.isfinite(s.seconds)) for s in samples):
+    raise ValueError("every measured step needs a finite time > 0 s")
+  template = StepRates.template(hardware)
+  knee = template.knee_tokens if knee_tokens is None else knee_tokens
+  tie = decode_spread(samples) < TIE_SPREAD if tie_decode_attention is None else (
+      tie_decode_attention)
+  works = [s.work for s in samples]
+  y = np.array([s.seconds - _fixed_seconds(model, s.work) for s in samples])
+  measured = np.array([s.seconds for s in samples])
+  weights = np.ones(len(y)) if weighting == "absolute" else 1.0 / measured
+  # Lower bounds on the inverse rates: the datasheet's peaks (1000x beyond without caps).
+  slack = 1.0 if caps else 1e-3
+  lower = np.array([0.0, 0.0, slack / hardware.hbm_bandwidth, slack / hardware.hbm_bandwidth,
+                    slack / hardware.peak_flops, 0.0, slack / hardware.peak_flops,
+                    slack / hardware.hbm_bandwidth])
+  def solve(thresholds: tuple[int, int]) -> tuple[float, np.ndarray]:
+    design = _design(works, knee, thresholds, tie) * weights[:, None]
+    scale = np.abs(design).max(axis=0)
+    used = scale > 0
+    scale[~used] = 1.0
+    low = np.where(used, lower * scale, 0.0)
+    solution = optimize.lsq_linear(design / scale, y * weights, bounds=(low, np.inf)).x / scale
+    solution = np.where(used, solution, np.nan)
+    x = np.where(np.isnan(solution), lower, solution)
+    return float(np.sum(((_predict(x, works, knee, tie) - y) * weights) ** 2)), solution
+
+  # A coarse grid of thresholds, then every candidate between the best one's neighbours
+  # (one regime at a time): exact for a few dozen distinct token counts, cheap for more.
+  candidates = [_thresholds(works, knee, True), _thresholds(works, knee, False)]
+  coarse = [_thin(c, MAX_THRESHOLDS) for c in candidates]
+  results = {t: solve(t) for t in itertools.product(*coarse)}
+  best_thresholds = min(results, key=lambda t: results[t][0])
+  for regime in (0, 1):
+    chosen = coarse[regime].index(best_thresholds[regime])
+    low_t = coarse[regime][max(chosen - 1, 0)]
+    high_t = coarse[regime][min(chosen + 1, len(coarse[regime]) - 1)]
+    for t in candidates[regime]:
+      if low_t < t < high_t:
+        trial = tuple(t if i == regime else best_thresholds[i] for i in (0, 1))
+        results[trial] = solve(trial)  # type: ignore[index]
+    best_thresholds = min(results, key=lambda t: results[t][0])
+  best = results[best_thresholds]
+  _, solution = best
+  rates, missing = _rates(solution, template, knee, tie, source)
+  priced = model.with_rates(rates)
+  predicted = np.array([priced.price(w).seconds for w in works])
+  rms = float(np.sqrt(np.mean((predicted / measured - 1.0) ** 2)))
+  return Fit(rates=rates, weighting=weighting, tied_decode_attention=tie,
+             not_identified=missing, rms_relative_error=rms)
+
+
+def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool,
+           source: str) -> tuple[StepRates, tuple[str, ...]]:
+  """Inverse rates (NaN: not identified) to `StepRates`, with fallbacks named."""
+  launch, per_seq, small_w, large_w, flops, extra, prefill, decode = solution
+  missing = []
+
+  def rate(inverse: float, name: str, fallback: float) -> float:
+    if np.isnan(inverse) or inverse <= 0:
+      missing.append(name)
+      return fallback
+    return 1.0 / inverse
+
+  large_flops = rate(flops, "large_flops", template.large_flops)
+  small_flops = (large_flops if np.isnan(flops) else 1.0 / (flops + (
+      0.0 if np.isnan(extra) else extra)))
+  small_bandwidth = rate(small_w, "small_bandwidth", template.small_bandwidth)
+  large_bandwidth = rate(large_w, "large_bandwidth", small_bandwidth)
+  decode_bandwidth = small_bandwidth if tie else rate(decode, "decode_attention_bandwidth",
+                                                      template.decode_attention_bandwidth)
+  return StepRates(
+      launch_s=0.0 if np.isnan(launch) else float(launch),
+      per_sequence_s=0.0 if np.isnan(per_seq) else float(per_seq), knee_tokens=knee,
+      small_flops=float(small_flops), small_bandwidth=float(small_bandwidth),
+      large_flops=float(large_flops), large_bandwidth=float(large_bandwidth),
+      prefill_attention_flops=float(rate(prefill, "prefill_attention_flops",
+                                         template.prefill_attention_flops)),
+      decode_attention_bandwidth=float(decode_bandwidth),
+      allreduce_latency_s=template.allreduce_latency_s, link_bandwidth=template.link_bandwidth,
+      source=source), tuple(missing)
+
+
+def profile_samples(path: str | pathlib.Path, model: StepModel,
+                    context: int | None) -> list[Sample]:
+  """One sample per row of a per-batch profile CSV (`PROFILE_COLUMNS`, the Sarathi-Serve
+  artifact's): a decode-only batch, each sequence at `context` tokens (profiles do not
+  record it), or one request's whole prompt."""
+  try:
+    with open(path, newline="") as handle:
+      rows = list(csv.DictReader(handle))
+  except OSError as error:
+    raise ValueError(f"--profile={path}: cannot read it ({error.strerror or error})") from None
+  if not rows or any(column not in rows[0] for column in PROFILE_COLUMNS):
+    raise ValueError(f"--profile={path}: needs the columns {', '.join(PROFILE_COLUMNS)}")
+  samples = []
+  for number, row in enumerate(rows, start=2):
+    try:
+      tokens, prefill, decode, batch = (int(float(row[c])) for c in PROFILE_COLUMNS[:4])
+      seconds = float(row["batch_execution_time"])
+    except ValueError:
+      raise ValueError(f"--profile={path} line {number}: not numbers") from None
+    if decode and not prefill:
+      if context is None:
+        raise ValueError(f"--profile={path} has decode rows: give --profile_context")
+      sequences = [(1, context + 1)] * batch
+      label = f"decode batch {batch}"
+    elif prefill and not decode and batch == 1:
+      sequences = [(tokens, tokens)]
+      label = f"prefill {tokens} tokens"
+    else:
+      raise ValueError(f"--profile={path} line {number}: only decode-only batches and "
+                       "single-prompt prefills are understood")
+    samples.append(Sample(model.work(sequences), seconds, label))
+  return samples
+
+
+def points(samples: Sequence[Sample], model: StepModel, split: str) -> list[dict[str, Any]]:
+  """Measured against predicted seconds, one row per sample (`split`: train | held-out)."""
+  rows = []
+  for s in samples:
+    predicted = model.price(s.work).seconds
+    rows.append(dict(label=s.label, split=split, num_tokens=s.work.num_tokens,
+                     num_sequences=s.work.num_sequences, measured_s=s.seconds,
+                     predicted_s=predicted, error=predicted / s.seconds - 1.0))
+  return rows
+
+
+def save(path: str | pathlib.Path, result: Fit, premises: dict[str, Any],
+         rows: Sequence[dict[str, Any]]) -> None:
+  """Writes the calibration file: rates, premises, and every point."""
+  record = dict(rates=result.rates.to_dict(), premises=dict(
+      premises, weighting=result.weighting, tied_decode_attention=result.tied_decode_attention,
+      not_identified=list(result.not_identified),
+      rms_relative_error=result.rms_relative_error), points=list(rows))
+  pathlib.Path(path).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def load(path: str | pathlib.Path) -> dict[str, Any]:
+  """Reads a calibration file; raises ValueError naming what is wrong with it."""
+  path = pathlib.Path(path)
+  try:
+    record = json.loads(path.read_text())
+  except OSError as error:
+    raise ValueError(f"calibration {path}: cannot read it ({error.strerror or error})") from None
+  except json.JSONDecodeError as error:
+    raise ValueError(f"calibration {path}: not JSON ({error.msg}, line {error.lineno})") from None
+  if not isinstance(record, dict) or not isinstance(record.get("rates"), dict):
+    raise ValueError(f"calibration {path}: no `rates` object")
+  StepRates.from_dict(record["rates"], where=f"calibration {path}")  # checks every rate
+  return record

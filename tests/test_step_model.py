@@ -1,0 +1,233 @@
+"""The simulator's step-cost model and its calibration: parts, fitting, shipped files."""
+
+import dataclasses
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from configs import hardware as hardware_lib
+from configs import llama_13b, yi_34b
+from experiments import build
+from kvpage.sim import calibration, capacity
+from kvpage.sim.step_model import StepModel, StepRates
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+A100 = hardware_lib.get_hardware("a100_80gb")
+LLAMA_13B = capacity.ModelShape.from_config(llama_13b.get_config().model)
+PROFILES = ROOT / "configs" / "calibrations" / "sarathi-serve"
+
+
+def template_model(model=LLAMA_13B, hardware=A100, **kwargs) -> StepModel:
+  return StepModel(model, StepRates.template(hardware), weight_dtype="fp16", **kwargs)
+
+
+def test_template_prices_prefill_by_compute_and_decode_by_bandwidth():
+  model = template_model()
+  prefill = model.step_cost([(2048, 2048)])
+  decode = model.step_cost([(1, 1024)] * 32)
+  assert prefill.linear_bound == "compute" and decode.linear_bound == "memory"
+  # Decode at batch 1: the weights (less the input embedding table, a gather of one
+  # row) and one token's keys and values, over 2,039 GB/s x 0.8, plus the 1 ms launch.
+  single = model.step_cost([(1, 1)])
+  weights_read = 26_031_728_640 - 32000 * 5120 * 2 + 5120 * 2
+  bandwidth = 2_039e9 * 0.8
+  assert math.isclose(single.parts["linear"], weights_read / bandwidth, rel_tol=1e-9)
+  assert math.isclose(single.parts["decode_attention"], 819_200 / bandwidth, rel_tol=1e-9)
+  assert single.seconds == pytest.approx(single.parts["linear"] + single.parts[
+      "decode_attention"] + A100.step_overhead_s)
+  # Prefill FLOPs: 2 x decoder-layer params per token, the LM head for one row only.
+  layer_params = 13_015_864_320 - 2 * 32000 * 5120
+  assert prefill.work.linear_flops == 2 * layer_params * 2048 + 2 * 32000 * 5120
+  assert prefill.work.prefill_attention_flops == 4 * 40 * 40 * 128 * 2048 * 2049 // 2
+
+
+def test_chunks_pay_for_re_reading_the_prompt_so_far():
+  model = template_model()
+  whole = model.step_cost([(2048, 2048)]).parts["prefill_attention"]
+  chunks = [model.step_cost([(512, 512 * (i + 1))]).parts["prefill_attention"]
+            for i in range(4)]
+  assert chunks == sorted(chunks) and chunks[0] < chunks[-1]  # later chunks see more keys
+  assert math.isclose(sum(chunks), whole)  # the same pairs, over four launches
+  four_launches = sum(model.step_cost([(512, 512 * (i + 1))]).seconds for i in range(4))
+  assert four_launches > model.step_cost([(2048, 2048)]).seconds
+
+
+def test_tensor_parallel_splits_the_work_and_prices_two_all_reduces_a_layer():
+  one, two = template_model(), template_model(tensor_parallel=2)
+  step = [(1, 1024)] * 8
+  a, b = one.step_cost(step), two.step_cost(step)
+  assert b.work.linear_flops == pytest.approx(a.work.linear_flops / 2)
+  assert b.work.decode_kv_bytes == pytest.approx(a.work.decode_kv_bytes / 2)
+  assert a.parts["allreduce"] == 0 and b.work.num_allreduces == 2 * 40
+  ring = 2 * (2 - 1) / 2 * 8 * 5120 * 2  # each all-reduce's bytes per device
+  assert b.parts["allreduce"] == pytest.approx(80 * (2e-5 + ring / 300e9))
+  # Fewer KV heads than devices: each device keeps one (replicated), not a fraction.
+  gqa = dataclasses.replace(LLAMA_13B, num_kv_heads=2)
+  assert capacity.kv_heads_per_device(gqa, 4) == 1
+  assert capacity.kv_bytes_per_token(gqa, "fp16", 4) == capacity.kv_bytes_per_token(gqa, "fp16", 2)
+
+
+@pytest.mark.parametrize("model,tp,message", [
+    (LLAMA_13B, 3, "num_heads=40 does not split"),
+    (dataclasses.replace(LLAMA_13B, num_heads=48, num_kv_heads=6, ffn_dim=13824), 4,
+     "num_kv_heads=6 neither splits"),
+    (LLAMA_13B, 0, "tensor_parallel must be a positive"),
+])
+def test_shapes_that_cannot_split_are_refused(model, tp, message):
+  with pytest.raises(ValueError, match=message):
+    capacity.check_tensor_parallel(model, tp)
+
+
+def test_capacity_is_per_device_over_a_tensor_parallel_group():
+  yi = capacity.ModelShape.from_config(yi_34b.get_config().model)
+  one = capacity.plan(yi, seq_len=4096, memory_bytes=A100.memory_bytes, weight_dtype="fp16")
+  two = capacity.plan(yi, seq_len=4096, memory_bytes=A100.memory_bytes, weight_dtype="fp16",
+                      tensor_parallel=2)
+  assert two.weight_bytes == -(-one.weight_bytes // 2)
+  assert two.kv_bytes_per_token == one.kv_bytes_per_token // 2
+  assert two.max_concurrent_requests > 2 * one.max_concurrent_requests  # weights shrink too
+
+
+KNOWN = StepRates(launch_s=2e-3, per_sequence_s=5e-5, knee_tokens=128, small_flops=40e12,
+                  small_bandwidth=1.2e12, large_flops=150e12, large_bandwidth=1.0e12,
+                  prefill_attention_flops=60e12, decode_attention_bandwidth=0.4e12,
+                  allreduce_latency_s=2e-5, link_bandwidth=300e9, source="test")
+
+
+def synthetic_samples(model: StepModel, seed: int) -> list[calibration.Sample]:
+  """Decode batches at varied contexts, prefills, chunks over a prefix, mixed steps."""
+  rng = np.random.default_rng(seed)
+  steps = []
+  for _ in range(60):
+    batch = int(rng.integers(1, 200))
+    steps.append([(1, int(c)) for c in rng.integers(16, 4000, batch)])
+  for tokens in (16, 32, 64, 96, 200, 512, 1024, 2048, 4096):
+    steps.append([(tokens, tokens)])
+    steps.append([(tokens, tokens + int(rng.integers(1, 3000)))])
+  for _ in range(20):
+    steps.append([(int(rng.integers(64, 1024)), 2048)] + [(1, int(c)) for c in
+                                                        rng.integers(16, 2000, 30)])
+  return [calibration.Sample(model.work(s), model.step_cost(s).seconds) for s in steps]
+
+
+@pytest.mark.parametrize("weighting", calibration.WEIGHTINGS)
+def test_the_fit_recovers_known_rates_from_synthetic_step_times(weighting):
+  model = StepModel(LLAMA_13B, KNOWN, weight_dtype="fp16", tensor_parallel=2)
+  result = calibration.fit(synthetic_samples(model, 0), model, A100, weighting=weighting,
+                           knee_tokens=128, tie_decode_attention=False)
+  assert result.not_identified == ()
+  for field in ("launch_s", "per_sequence_s", "small_flops", "small_bandwidth", "large_flops",
+                "large_bandwidth", "prefill_attention_flops", "decode_attention_bandwidth"):
+    assert getattr(result.rates, field) == pytest.approx(getattr(KNOWN, field), rel=1e-3), field
+  assert result.rms_relative_error < 1e-6
+
+
+def test_the_fit_ties_decode_attention_when_every_decode_sees_one_context():
+  model = StepModel(LLAMA_13B, KNOWN, weight_dtype="fp16")
+  samples = [calibration.Sample(model.work(s), model.step_cost(s).seconds)
+             for s in ([(1, 1000)] * b for b in (1, 2, 4, 8, 16, 32))]
+  samples += [calibration.Sample(model.work([(t, t)]), model.step_cost([(t, t)]).seconds)
+              for t in (256, 1024, 4096)]
+  assert calibration.decode_spread(samples) == 0.0
+  result = calibration.fit(samples, model, A100)
+  assert result.tied_decode_attention
+  assert result.rates.decode_attention_bandwidth == result.rates.small_bandwidth
+
+
+def profile_fit() -> tuple[calibration.Fit, list[dict]]:
+  """The shipped a100_80gb_pcie calibration, refit from the published profiles."""
+  config = yi_34b.get_config()
+  hardware = hardware_lib.get_hardware("a100_80gb_pcie")
+  model = build.step_model(config, StepRates.template(hardware), hardware)
+  train, held = [], []
+  for name in ("decode", "prefill"):
+    for sample in calibration.profile_samples(
+        str(PROFILES / f"yi34b_tp2_a100_80gb_pcie_{name}.csv"), model, 1020):
+      decode = sample.work.prefill_attention_flops == 0
+      small = (sample.work.num_sequences <= 32 if decode else sample.work.num_tokens <= 4096)
+      (train if small else held).append(sample)
+  result = calibration.fit(train, model, hardware)
+  priced = model.with_rates(result.rates)
+  return result, calibration.points(train, priced, "train") + calibration.points(
+      held, priced, "held-out")
+
+
+def test_the_shipped_a100_pcie_calibration_extrapolates_within_15_percent():
+  """Fit on decode batches <= 32 and prefills <= 4,096 tokens only, it predicts the
+  published decode batches 64 and 128 and prefills of 8,192 and 16,384 tokens."""
+  result, rows = profile_fit()
+  held = [row for row in rows if row["split"] == "held-out"]
+  assert [row["num_tokens"] for row in held] == [64, 128, 8192, 16384]
+  assert all(abs(row["error"]) < 0.15 for row in held), held
+  shipped = calibration.load(ROOT / "configs" / "calibrations" / "a100_80gb_pcie.json")
+  for key, value in result.rates.to_dict().items():
+    if key != "source":
+      assert shipped["rates"][key] == pytest.approx(value, rel=1e-6), key  # reproducible
+
+
+def test_a_simulated_runs_steps_calibrate_back_to_its_rates(tmp_path):
+  """serve_bench's steps.jsonl records each step's time and work: fit on a simulated
+  run, the calibration prices its steps as the simulator did."""
+  run = subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", "--config=configs/llama_13b.py",
+       "--executor=sim", "--num_requests=40", "--arrival_rate=4",
+       "--prompt_len=uniform:16:2000", "--output_len=uniform:8:64", f"--workdir={tmp_path}/a"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr
+  out = tmp_path / "cal.json"
+  fit = subprocess.run(
+      [sys.executable, "-m", "experiments.calibrate", "--config=configs/llama_13b.py",
+       f"--steps={tmp_path}/a/steps.jsonl", f"--out={out}", "--json"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert fit.returncode == 0, fit.stderr
+  record = json.loads(fit.stdout)
+  assert record["premises"]["num_train"] > 100
+  assert max(abs(row["error"]) for row in record["points"]) < 1e-3
+  rates = calibration.load(out)["rates"]
+  template = StepRates.template(A100)
+  assert rates["large_flops"] == pytest.approx(template.large_flops, rel=1e-3)
+  assert rates["small_bandwidth"] == pytest.approx(template.small_bandwidth, rel=1e-3)
+  assert rates["launch_s"] == pytest.approx(template.launch_s, rel=1e-2)
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "give measured steps"),
+    ([f"--profile={PROFILES}/yi34b_tp2_a100_80gb_pcie_decode.csv"], "give --profile_context"),
+    (["--steps=/no/such.jsonl"], "cannot read it"),
+])
+def test_calibrate_bad_input_is_one_line(argv, message):
+  result = subprocess.run([sys.executable, "-m", "experiments.calibrate",
+                           "--config=configs/yi_34b.py", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert result.stderr.strip().splitlines()[-1].startswith("error: ")
+  assert message in result.stderr
+
+
+def test_the_real_path_refuses_what_only_the_simulator_can_run():
+  from configs import opt_13b
+
+  with pytest.raises(ValueError, match="simulator and the capacity model only"):
+    build.check_runnable(opt_13b.get_config())
+  with pytest.raises(ValueError, match=r"mesh\.tensor_parallel=2: real runs use one device"):
+    build.check_runnable(yi_34b.get_config())
+  build.check_runnable(llama_13b.get_config())  # a Llama on one device runs
+
+
+def test_the_capacity_report_is_per_device_under_tensor_parallel():
+  def report(*flags):
+    result = subprocess.run([sys.executable, "-m", "experiments.capacity",
+                             "--config=configs/llama2_70b.py", "--json", *flags], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+  four, eight = report(), report("--tensor_parallel=8")
+  assert four["tensor_parallel"] == 4 and eight["tensor_parallel"] == 8
+  assert eight["weight_bytes"] == pytest.approx(four["weight_bytes"] / 2, rel=1e-6)
+  assert eight["kv_bytes_per_token"] == four["kv_bytes_per_token"] // 2
