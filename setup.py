@@ -37,6 +37,7 @@ setuptools.setup(
         "flax>=0.12.8,<0.13",
         "optax>=0.2",
         "numpy>=1.26",
+        "scipy>=1.11",  # the simulator's calibration fit (kvpage.sim.calibration)
         "absl-py>=2.0",
         "ml-collections>=1.0",
         "safetensors>=0.4",

@@ -35,8 +35,7 @@ from kvpage.sim.step_model import StepModel, StepRates
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file (the model that ran).")
 _HARDWARE = flags.DEFINE_string(
     "hardware", None, f"Device; one of {sorted(hardware_lib.HARDWARE)}. Default: the config's.")
-_TENSOR_PARALLEL = flags.DEFINE_integer(
-    "tensor_parallel", None, "Shortcut for --config.mesh.tensor_parallel: devices a step ran on.")
+_TENSOR_PARALLEL = cli.define_tensor_parallel()
 _PROFILE = flags.DEFINE_multi_string(
     "profile", [], "Per-batch profile CSV (batch_num_tokens, batch_num_prefill_tokens, "
     "batch_num_decode_tokens, batch_size, batch_execution_time); repeatable.")
@@ -116,9 +115,7 @@ def summary(rows: list[dict], split: str) -> str:
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
-  config = cli.load_config(_CONFIG)
-  if _TENSOR_PARALLEL.value is not None:
-    config.mesh.tensor_parallel = _TENSOR_PARALLEL.value
+  config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
   configs_check.check(config)
   hardware = hardware_lib.get_hardware(_HARDWARE.value or config.hardware)
   if not _PROFILE.value and not _STEPS.value:

@@ -39,9 +39,7 @@ _RESERVE_GB = flags.DEFINE_float(
     "reserve_gb", 0.0, "Memory kept for activations/workspace (see --units).")
 _UNITS = flags.DEFINE_string("units", "gb", "`gb` = 10^9 bytes or `gib` = 2^30 bytes.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
-_TENSOR_PARALLEL = flags.DEFINE_integer(
-    "tensor_parallel", None, "Shortcut for --config.mesh.tensor_parallel: devices the model "
-    "is split over (every figure is then one device's).")
+_TENSOR_PARALLEL = cli.define_tensor_parallel()
 
 UNIT_BYTES = {"gb": 10**9, "gib": 2**30}
 
@@ -127,9 +125,7 @@ def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
-  config = cli.load_config(_CONFIG)
-  if _TENSOR_PARALLEL.value is not None:
-    config.mesh.tensor_parallel = _TENSOR_PARALLEL.value
+  config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
   configs_check.check(config)
   if _UNITS.value not in UNIT_BYTES:
     raise ValueError(f"unknown --units {_UNITS.value!r}; choose one of: gb, gib")

@@ -239,6 +239,22 @@ def apply_scheduler_shortcuts(config, holders: dict[str, flags.FlagHolder]) -> N
         raise ValueError(f"--{name}={holder.value!r} must be of type {kind.__name__}") from None
 
 
+def define_tensor_parallel() -> flags.FlagHolder:
+  """`--tensor_parallel`, the shortcut for `--config.mesh.tensor_parallel`."""
+  return flags.DEFINE_integer("tensor_parallel", None,
+                              "Shortcut for --config.mesh.tensor_parallel: devices one step "
+                              "runs on (weights and KV heads split over them).")
+
+
+def load_config_with_mesh(config_holder: flags.FlagHolder,
+                          tensor_parallel: flags.FlagHolder):
+  """`load_config`, with `--tensor_parallel` applied when given."""
+  config = load_config(config_holder)
+  if tensor_parallel.value is not None:
+    config.mesh.tensor_parallel = tensor_parallel.value
+  return config
+
+
 def run(main: Callable[[list[str]], None]) -> None:
   """`app.run(main)`, with every error reported in one line (see the module docstring)."""
 

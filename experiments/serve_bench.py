@@ -39,8 +39,7 @@ flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
 _CALIBRATION = flags.DEFINE_string(
     "calibration", None, "Shortcut for --config.sim.calibration: a calibration file "
     "(experiments/calibrate.py) whose rates price simulated steps.")
-_TENSOR_PARALLEL = flags.DEFINE_integer(
-    "tensor_parallel", None, "Shortcut for --config.mesh.tensor_parallel (simulated devices).")
+_TENSOR_PARALLEL = cli.define_tensor_parallel()
 flags.DEFINE_integer("num_requests", 96, "Requests in the workload.")
 flags.DEFINE_string("arrival_rate", "40", "Requests/s; `inf` = all at once.")
 flags.DEFINE_string("arrival_process", "poisson", "poisson | gamma:CV (bursty).")
@@ -134,12 +133,10 @@ def settings_from_flags() -> BenchSettings:
 
 def config_from_flags() -> ml_collections.ConfigDict:
   """`--config` with its overrides and the scheduler shortcut flags applied."""
-  config = cli.load_config(_CONFIG)
+  config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
   if _CALIBRATION.value is not None:
     config.sim.calibration = _CALIBRATION.value
-  if _TENSOR_PARALLEL.value is not None:
-    config.mesh.tensor_parallel = _TENSOR_PARALLEL.value
   return config
 
 
