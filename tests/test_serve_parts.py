@@ -4,12 +4,13 @@ push-back headers, and the scheduler's wait deadlines."""
 import asyncio
 import itertools
 import math
+import threading
 import types
 
 import hypothesis
 import numpy as np
 import pytest
-from engine_utils import fake_engine
+from engine_utils import default_sample, fake_engine
 from hypothesis import strategies as st
 from serve_utils import make_served_checkpoint
 
@@ -304,11 +305,21 @@ def test_a_failing_engine_ends_every_stream_and_refuses_new_work():
 
 
 def test_an_id_reused_at_once_is_not_ended_by_the_report_of_the_request_before():
-  engine = fake_engine()
+  aborted = threading.Event()
+
+  def sample(request_id: str, position: int) -> int:
+    # The first request cannot run to its length before the client's abort is queued,
+    # however the threads are scheduled: its 10th position waits for the abort.
+    if position == 10:
+      aborted.wait(timeout=10)
+    return default_sample(request_id, position)
+
+  engine = fake_engine(sample=sample)
 
   async def run(loop):
     _, first = await loop.submit(Submission("same", [1, 2, 3], SamplingParams(max_tokens=200)))
     loop.abort("same")  # the client went away; the engine reports the end a step later
+    aborted.set()
     answer, second = await loop.submit(Submission("same", [4, 5], SamplingParams(max_tokens=6)))
     assert answer.admitted
     return await first.done, await second.done
