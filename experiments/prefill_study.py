@@ -9,7 +9,7 @@ generation stalls a whole-prompt prefill causes, cutting tail time-between-token
 a TTFT cost that grows as chunks shrink, and so raises the load a server sustains
 under a strict latency SLO. This study runs that comparison on kvpage:
 
-  * **simulated**: Llama-2-13B fp16 on an 80 GB A100 (roofline), `none` (prefill-first)
+  * **simulated**: Llama-2-13B fp16 on an 80 GB A100 (template step rates), `none` (prefill-first)
     and `chunked` at chunk sizes 256 / 512 / 1,024 / 2,048, under two token budgets,
     on a long/short prompt mix that provokes stalls, at arrival rates up to past
     saturation, several seeds;

@@ -33,8 +33,8 @@ _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page;
                                   "config's cache.num_pages, else what cache.kv_memory_gib "
                                   "holds (the simulator: what the device holds).")
 _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
-                              "The real model, or a simulated GPU in real time (a roofline "
-                              "of --hardware, every step slept through; token ids only).")
+                              "The real model, or a simulated GPU in real time (the step "
+                              "model of --hardware, every step slept through; token ids only).")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
 _MAX_QUEUE_WAIT = flags.DEFINE_float("max_queue_wait_s", None,
                                      "Default wait deadline (seconds to the first step).")

@@ -7,7 +7,8 @@ r"""The main job: how a model behaves as concurrency rises.
 
 Synthesizes (or loads, `--trace`) a seeded workload, replays it through the engine —
 the real model behind `JaxExecutor` (`--executor=jax`, random weights or
-`--checkpoint`) or a roofline-priced GPU behind `SimExecutor` (`--executor=sim`) —
+`--checkpoint`) or a simulated GPU behind `SimExecutor` (`--executor=sim`, steps
+priced by `kvpage.sim.step_model`) —
 and writes `summary.json`, `steps.jsonl`, `requests.jsonl` and `trace.jsonl` to
 `--workdir`. Scheduler policy: the config's `scheduler` section, overridable with
 `--config.scheduler.KNOB=VALUE` or the shortcut flags below. `--plot` draws the run's
