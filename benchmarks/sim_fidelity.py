@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
                     model=real_b["summary"]["premises"]["model"],
                     policies=real_b["summary"]["premises"]["policies"], **premises.environment()),
       calibration=dict(rates=fit["rates"], train_steps=fit["premises"]["num_train"],
-                       rms_relative_error=fit["premises"].get("rms_relative_error")),
+                       rms_relative_error=fit["premises"]["rms_relative_error"]),
       per_step_error_on_b=dict(num_steps=len(errors), median=errors[len(errors) // 2],
                                p90=errors[int(0.9 * (len(errors) - 1))]),
       steps=dict(real_a=real_a["num_steps"], real_b=real_b["num_steps"],

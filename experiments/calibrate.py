@@ -85,16 +85,6 @@ def step_samples(paths: Sequence[str], model: StepModel) -> tuple[list[calibrati
   return samples, skipped
 
 
-def split_profile(samples: list[calibration.Sample]) -> tuple[list, list]:
-  train, held = [], []
-  for sample in samples:
-    decode = sample.work.prefill_attention_flops == 0
-    limit = _TRAIN_DECODE.value if decode else _TRAIN_PREFILL.value
-    size = sample.work.num_sequences if decode else sample.work.num_tokens
-    (held if limit is not None and size > limit else train).append(sample)
-  return train, held
-
-
 def table(rows: list[dict]) -> str:
   lines = [f"{'step':<22} {'split':<9} {'tokens':>7} {'seqs':>5} {'measured ms':>12} "
            f"{'predicted ms':>13} {'error':>7}"]
@@ -125,8 +115,9 @@ def main(argv: list[str]) -> None:
   model = build.step_model(config, StepRates.template(hardware), hardware)
   train, held = [], []
   for path in _PROFILE.value:
-    samples = calibration.profile_samples(path, model, _PROFILE_CONTEXT.value)
-    fit_part, held_part = split_profile(samples)
+    fit_part, held_part = calibration.split_held_out(
+        calibration.profile_samples(path, model, _PROFILE_CONTEXT.value),
+        max_decode_batch=_TRAIN_DECODE.value, max_prefill_tokens=_TRAIN_PREFILL.value)
     train += fit_part
     held += held_part
   steps, skipped = step_samples(_STEPS.value, model)
@@ -149,7 +140,7 @@ def main(argv: list[str]) -> None:
   if _OUT.value:
     calibration.save(_OUT.value, result, premises, rows)
   if _JSON.value:
-    print(json.dumps(dict(rates=result.rates.to_dict(), premises=premises, points=rows)))
+    print(json.dumps(calibration.record(result, premises, rows)))
     return
   print(f"calibration of {config.model.name} ({config.model.dtype}, tensor parallel "
         f"{config.mesh.tensor_parallel}) on {hardware.name}: {len(train)} steps fit, "

@@ -144,13 +144,10 @@ def profile_fit() -> tuple[calibration.Fit, list[dict]]:
   config = yi_34b.get_config()
   hardware = hardware_lib.get_hardware("a100_80gb_pcie")
   model = build.step_model(config, StepRates.template(hardware), hardware)
-  train, held = [], []
-  for name in ("decode", "prefill"):
-    for sample in calibration.profile_samples(
-        str(PROFILES / f"yi34b_tp2_a100_80gb_pcie_{name}.csv"), model, 1020):
-      decode = sample.work.prefill_attention_flops == 0
-      small = (sample.work.num_sequences <= 32 if decode else sample.work.num_tokens <= 4096)
-      (train if small else held).append(sample)
+  samples = [sample for name in ("decode", "prefill") for sample in calibration.profile_samples(
+      PROFILES / f"yi34b_tp2_a100_80gb_pcie_{name}.csv", model, 1020)]
+  train, held = calibration.split_held_out(samples, max_decode_batch=32,
+                                           max_prefill_tokens=4096)
   result = calibration.fit(train, model, hardware)
   priced = model.with_rates(result.rates)
   return result, calibration.points(train, priced, "train") + calibration.points(

@@ -262,10 +262,10 @@ class Scheduler:
       return
     now = self.clock()
     start, tokens, context, num_sequences, iterations = launched
-    seconds = (now - max(start, self._last_update)) / iterations
-    self.last_step_time = (output.step, seconds * iterations)
+    seconds = now - max(start, self._last_update)
+    self.last_step_time = (output.step, seconds)
     self._last_update = now
-    self.admission.wait.observe_step(tokens, context, num_sequences, seconds)
+    self.admission.wait.observe_step(tokens, context, num_sequences, seconds / iterations)
 
   def update(self, output: SchedulerOutput,
              sampled: Mapping[str, int | Sequence[int]]) -> list[Request]:

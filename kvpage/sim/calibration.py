@@ -56,8 +56,6 @@ TIE_SPREAD = 0.1
 MAX_THRESHOLDS = 24  # per regime, in the coarse pass over memory/compute thresholds
 PROFILE_COLUMNS = ("batch_num_tokens", "batch_num_prefill_tokens", "batch_num_decode_tokens",
                    "batch_size", "batch_execution_time")
-_COLUMNS = ("launch", "per_sequence", "small_weights", "large_weights", "flops",
-            "small_extra_flops", "prefill_attention", "decode_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +114,10 @@ def _fixed_seconds(model: StepModel, work: StepWork) -> float:
 
 def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
             tie: bool) -> np.ndarray:
+  """The least-squares columns, one row per step, for a memory/compute assignment: launch,
+  sequences, small steps' weight bytes, large steps' weight bytes, linear FLOPs, small
+  steps' extra FLOPs, prefill attention FLOPs, decode KV bytes (the inverse rates'
+  order everywhere in this module)."""
   rows = []
   for w in works:
     small = w.num_tokens < knee
@@ -131,7 +133,7 @@ def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
 
 
 def _predict(x: np.ndarray, works: Sequence[StepWork], knee: int, tie: bool) -> np.ndarray:
-  """Seconds for inverse rates `x` (in `_COLUMNS` order), with the true max()."""
+  """Seconds for inverse rates `x` (in `_design`'s column order), with the true max()."""
   launch, per_seq, small_w, large_w, flops, extra, prefill, decode = x
   out = []
   for w in works:
@@ -296,14 +298,33 @@ def points(samples: Sequence[Sample], model: StepModel, split: str) -> list[dict
   return rows
 
 
-def save(path: str | pathlib.Path, result: Fit, premises: dict[str, Any],
-         rows: Sequence[dict[str, Any]]) -> None:
-  """Writes the calibration file: rates, premises, and every point."""
-  record = dict(rates=result.rates.to_dict(), premises=dict(
+def split_held_out(samples: Sequence[Sample], *, max_decode_batch: int | None,
+                   max_prefill_tokens: int | None) -> tuple[list[Sample], list[Sample]]:
+  """(train, held out): decode-only steps with more sequences than `max_decode_batch`,
+  and steps with prefill over `max_prefill_tokens` tokens, are held out (None: no
+  limit) — to judge a fit on what it extrapolates to."""
+  train, held = [], []
+  for sample in samples:
+    decode = sample.work.prefill_attention_flops == 0
+    limit = max_decode_batch if decode else max_prefill_tokens
+    size = sample.work.num_sequences if decode else sample.work.num_tokens
+    (held if limit is not None and size > limit else train).append(sample)
+  return train, held
+
+
+def record(result: Fit, premises: dict[str, Any],
+           rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+  """The calibration record: rates, premises (the fit's own included), every point."""
+  return dict(rates=result.rates.to_dict(), premises=dict(
       premises, weighting=result.weighting, tied_decode_attention=result.tied_decode_attention,
       not_identified=list(result.not_identified),
       rms_relative_error=result.rms_relative_error), points=list(rows))
-  pathlib.Path(path).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def save(path: str | pathlib.Path, result: Fit, premises: dict[str, Any],
+         rows: Sequence[dict[str, Any]]) -> None:
+  """Writes the calibration file (`record`)."""
+  pathlib.Path(path).write_text(json.dumps(record(result, premises, rows), indent=1) + "\n")
 
 
 def load(path: str | pathlib.Path) -> dict[str, Any]:

@@ -139,10 +139,6 @@ class StepCost:
   def seconds(self) -> float:
     return sum(self.parts.values())
 
-  @property
-  def num_tokens(self) -> int:
-    return self.work.num_tokens
-
 
 class StepModel:
   """Prices steps of one model on one device of a `tensor_parallel` group."""
@@ -163,7 +159,7 @@ class StepModel:
     self.layer_parameters = layers / tp
     self.head_parameters = embedding / tp
     self.weight_bytes = (self.layer_parameters + self.head_parameters) * self.weight_itemsize
-    self.kv_bytes_per_token = capacity.kv_bytes_per_token(model, kv_dtype or weight_dtype,
+    self.kv_bytes_per_token = capacity.kv_bytes_per_token(model, self.kv_dtype,
                                                           tensor_parallel=tp)
     self.flops_per_pair = 4 * model.num_layers * (model.num_heads // tp) * model.head_dim
     self.ring_fraction = 2 * (tp - 1) / tp
