@@ -46,9 +46,12 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   config = ml_collections.ConfigDict()
   config.model = model_config(name, dtype)
   # A real run's KV pool: `num_pages` when set, else as many pages as `kv_memory_gib`
-  # holds (`experiments.build.real_pool_pages`). 4 GiB is vLLM's CPU default KV space.
+  # holds (4 GiB is vLLM's CPU default KV space), else (`kv_memory_gib=0`, as on a GPU)
+  # the memory plan: `memory_utilization` of the device, less the weights and the
+  # largest step's activations (`experiments.build.real_pool_pages`). A simulated run's
+  # pool is always the plan's, on the hardware entry's memory (`sim_memory_plan`).
   config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0,
-                                                kv_memory_gib=4.0))
+                                                kv_memory_gib=4.0, memory_utilization=0.9))
   config.hardware = hardware
   config.mesh = ml_collections.ConfigDict(dict(tensor_parallel=tensor_parallel))
   config.sim = ml_collections.ConfigDict(dict(calibration=""))
@@ -115,6 +118,10 @@ def check(config) -> None:
   budget = cache.get("kv_memory_gib")
   if budget != 0:
     _positive_number("cache.kv_memory_gib", budget)
+  utilization = cache.get("memory_utilization", 0.9)
+  _positive_number("cache.memory_utilization", utilization)
+  if utilization > 1:
+    raise ValueError(f"cache.memory_utilization must be in (0, 1], got {utilization!r}")
   if cache.get("kv_dtype") not in DTYPES:
     raise ValueError(f"cache.kv_dtype {cache.get('kv_dtype')!r}: choose one of "
                      f"{', '.join(DTYPES)}")

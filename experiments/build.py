@@ -21,14 +21,17 @@ import ml_collections
 import configs
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
+from kvpage.device import step as step_lib
 from kvpage.device.executor import JaxExecutor
 from kvpage.host.engine import Engine
 from kvpage.host.scheduler import Scheduler
-from kvpage.sim import calibration, capacity, premises
+from kvpage.sim import calibration, capacity, memory_plan, premises
 from kvpage.sim.clock import PacedClock, VirtualClock, WallClock
 from kvpage.sim.executor import SimExecutor
 from kvpage.sim.hardware import HardwareSpec
+from kvpage.sim.memory_plan import MemoryPlan
 from kvpage.sim.step_model import StepModel, StepRates
+from kvpage.units import cdiv
 from models import hf, llama
 
 CALIBRATIONS = pathlib.Path(configs.__file__).parent / "calibrations"
@@ -40,17 +43,21 @@ def _gib(num_bytes: float) -> str:
   return f"{num_bytes:,.0f} bytes ({num_bytes / 2**30:,.2f} GiB)"
 
 
+def _device_stats() -> tuple[Any, dict]:
+  device = jax.devices()[0]
+  try:
+    return device, device.memory_stats() or {}
+  except Exception:  # backends without memory statistics raise errors of their own
+    return device, {}
+
+
 def device_memory() -> tuple[int | None, str]:
   """Bytes the first device can still allocate, and what they are.
 
   An accelerator reports its own limit; the CPU backend reports none, and its arrays
   live in host memory, so the host's available memory stands in.
   """
-  device = jax.devices()[0]
-  try:
-    stats = device.memory_stats() or {}
-  except Exception:  # backends without memory statistics raise errors of their own
-    stats = {}
+  device, stats = _device_stats()
   if "bytes_limit" in stats:
     return stats["bytes_limit"] - stats.get("bytes_in_use", 0), f"{device.platform} memory"
   return premises.available_memory_bytes(), "host memory available"
@@ -165,15 +172,108 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
   return Engine(scheduler, SimExecutor(model, clock))
 
 
-def sim_pool_pages(model_config: ml_collections.ConfigDict, hardware: HardwareSpec, *,
-                   page_size: int, kv_dtype: str | None = None,
-                   tensor_parallel: int = 1) -> int:
-  """Pages (null page included) that each device of the group holds after its share of
-  the weights: `kvpage.sim.capacity`."""
-  plan = capacity.plan(capacity.ModelShape.from_config(model_config), seq_len=page_size,
-                       memory_bytes=hardware.memory_bytes, weight_dtype=model_config.dtype,
-                       kv_dtype=kv_dtype, page_size=page_size, tensor_parallel=tensor_parallel)
-  return plan.pool_pages + 1
+def largest_steps(config: ml_collections.ConfigDict) -> list[tuple[int, int, bool]]:
+  """`(tokens, seqs, decode_only)` of the largest steps `config`'s scheduler can build,
+  padded as a served step is (`Buckets.for_server`): a decode of `max_num_seqs`
+  sequences and a mixed step of `max_num_batched_tokens`. The memory plan reserves
+  what the larger needs, measured (real runs) or estimated (simulated) at these shapes."""
+  limits = config.scheduler
+  buckets = batch_lib.Buckets.for_server(max_model_len=config.model.max_seq_len,
+                                         page_size=config.cache.page_size,
+                                         max_num_seqs=limits.max_num_seqs)
+  tokens = limits.max_num_batched_tokens
+  mixed = (buckets.mixed_shape(tokens, 1) if tokens <= batch_lib.TOKEN_BUCKETS[-1]
+           else (tokens, buckets.mixed_num_seqs))  # past the ladder: only a simulator runs it
+  return [(*buckets.decode_shape(limits.max_num_seqs), True), (*mixed, False)]
+
+
+def _steps_label(shapes: list[tuple[int, int, bool]]) -> str:
+  return " and ".join(f"{'decode' if decode else 'mixed'} {tokens:,} tokens x {seqs} seqs"
+                      for tokens, seqs, decode in shapes)
+
+
+def _utilization(config: ml_collections.ConfigDict) -> float:
+  return config.cache.get("memory_utilization", memory_plan.DEFAULT_UTILIZATION)
+
+
+def sim_memory_plan(config: ml_collections.ConfigDict,
+                    hardware: HardwareSpec) -> MemoryPlan:
+  """The memory plan of one device of a simulated group: the hardware's memory, the
+  weights from the model's shapes, activations estimated at `largest_steps`."""
+  model = capacity.ModelShape.from_config(config.model)
+  tensor_parallel = config.mesh.tensor_parallel
+  kv_dtype = config.cache.kv_dtype
+  shapes = largest_steps(config)
+  activations = max(memory_plan.step_activation_bytes(
+      model, num_tokens=tokens, num_seqs=seqs, dtype=config.model.dtype, kv_dtype=kv_dtype,
+      tensor_parallel=tensor_parallel) for tokens, seqs, _ in shapes)
+  split = f", 1/{tensor_parallel} of them" if tensor_parallel > 1 else ""
+  return MemoryPlan(
+      device_bytes=hardware.memory_bytes, device_source=f"{hardware.name} memory",
+      utilization=_utilization(config),
+      weight_bytes=cdiv(capacity.weight_bytes(model, config.model.dtype),
+                                 tensor_parallel),
+      weight_source=f"from the model's shapes{split}",
+      activation_bytes=activations,
+      activation_source=f"estimated for the largest steps: {_steps_label(shapes)}",
+      page_bytes=capacity.kv_bytes_per_token(model, kv_dtype, tensor_parallel)
+      * config.cache.page_size,
+      page_size=config.cache.page_size)
+
+
+def device_memory_limit() -> tuple[int | None, str]:
+  """Bytes the first device's allocator may hold in all, and what they are: an
+  accelerator's limit, or on CPU (arrays in host memory) the host's available memory."""
+  device, stats = _device_stats()
+  if "bytes_limit" in stats:
+    return stats["bytes_limit"], f"{device.platform} memory limit"
+  return premises.available_memory_bytes(), "host memory available"
+
+
+_MEASURED: dict[str, tuple[int, str, int, str]] = {}  # one measurement per setup and process
+
+
+def real_memory_plan(config: ml_collections.ConfigDict,
+                     model_config: ml_collections.ConfigDict,
+                     params: Any = None) -> MemoryPlan:
+  """The memory plan of a real run, before its pool is allocated: the device's memory
+  from JAX, the weights' own bytes (`params`, or the shapes random weights would have),
+  and the temporaries XLA assigns the compiled `largest_steps` (nothing runs)."""
+  check_runnable(config, model_config)
+  device_bytes, device_source = device_memory_limit()
+  if device_bytes is None:
+    raise ValueError("this device reports no memory to plan from; set "
+                     "cache.kv_memory_gib or --num_pages")
+  model_config = ml_collections.FrozenConfigDict(model_config)
+  cache = config.cache
+  key = repr((model_config.to_dict(), cache.page_size, cache.kv_dtype,
+              config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+              params is None))
+  if key not in _MEASURED:
+    if params is None:
+      params = jax.eval_shape(functools.partial(llama.random_init, model_config, config.seed))
+      weight_source = "the random weights' shapes"
+    else:
+      weight_source = "the loaded weights"
+    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    probe = jax.eval_shape(functools.partial(paged_cache.init, model_config, num_pages=2,
+                                             page_size=cache.page_size, dtype=cache.kv_dtype))
+    step = step_lib.Step(functools.partial(llama.forward, config=model_config))
+    shapes = largest_steps(config)
+    width = cdiv(model_config.max_seq_len, cache.page_size)
+    activations = max(step.temp_bytes(
+        params, probe, batch_lib.example_batch(tokens, seqs, width, decode_only=decode),
+        all_greedy=False) for tokens, seqs, decode in shapes)
+    _MEASURED[key] = (weights, weight_source, activations,
+                      f"measured (XLA's buffer assignment) for {_steps_label(shapes)}")
+  weights, weight_source, activations, activation_source = _MEASURED[key]
+  return MemoryPlan(
+      device_bytes=device_bytes, device_source=device_source,
+      utilization=_utilization(config), weight_bytes=weights, weight_source=weight_source,
+      activation_bytes=activations, activation_source=activation_source,
+      page_bytes=paged_cache.pool_bytes(model_config, num_pages=1, page_size=cache.page_size,
+                                        dtype=cache.kv_dtype),
+      page_size=cache.page_size)
 
 
 def check_runnable(config: ml_collections.ConfigDict,
@@ -199,6 +299,7 @@ class ServingSetup:
   num_pages: int
   hardware_record: dict[str, Any]
   pool_reason: str = ""  # why the pool has `num_pages` pages, for the run header
+  memory_plan: MemoryPlan | None = None  # when the plan sized the pool
 
 
 def pages_for_work(config: ml_collections.ConfigDict, lengths: list[int]) -> int:
@@ -211,43 +312,50 @@ def pages_for_work(config: ml_collections.ConfigDict, lengths: list[int]) -> int
 
 def real_pool_pages(config: ml_collections.ConfigDict, model_config: ml_collections.ConfigDict,
                     *, num_pages: int = 0, checkpoint: bool = False,
-                    pages_needed: int | None = None) -> tuple[int, str]:
-  """Pages (null page included) of a real run's KV pool, and why that many.
+                    pages_needed: int | None = None, params: Any = None
+                    ) -> tuple[int, str, MemoryPlan | None]:
+  """Pages (null page included) of a real run's KV pool, why that many, and the memory
+  plan when it decided.
 
   In order: `num_pages` (a flag); the config's `cache.num_pages`, unless a checkpoint
   replaced the config's model (a page count is model-specific, a byte budget is not);
-  else the budget `cache.kv_memory_gib`, capped by `pages_needed` (what the whole
-  workload could hold at once, when it is known up front) so no memory is spent on
-  pages nothing can use.
+  the budget `cache.kv_memory_gib`; with no budget (0), the memory plan
+  (`real_memory_plan`: `cache.memory_utilization` of the device, less the weights
+  (`params`' bytes when given) and the largest step's activations). A budget or a plan
+  is capped by `pages_needed` (what the whole workload could hold at once, when it is
+  known up front) so no memory is spent on pages nothing can use.
   """
   if num_pages:
-    return num_pages, "--num_pages"
+    return num_pages, "--num_pages", None
   cache = config.cache
   if cache.num_pages and not checkpoint:
-    return cache.num_pages, f"cache.num_pages={cache.num_pages:,} in the config"
+    return cache.num_pages, f"cache.num_pages={cache.num_pages:,} in the config", None
   budget = cache.get("kv_memory_gib", 0.0)
-  if not budget > 0:
-    raise ValueError(f"the config sets no KV pool for a real run (cache.num_pages="
-                     f"{cache.num_pages}, cache.kv_memory_gib={budget}); pass --num_pages")
-  page_bytes = paged_cache.pool_bytes(model_config, num_pages=1, page_size=cache.page_size,
-                                      dtype=cache.kv_dtype)
-  pages = paged_cache.num_pages_for_budget(model_config, memory_bytes=int(budget * 2**30),
-                                           page_size=cache.page_size, dtype=cache.kv_dtype)
-  reason = (f"cache.kv_memory_gib={budget:g} GiB at {page_bytes / 2**10:,.0f} KiB a page "
-            f"holds {pages:,}")
+  plan = None
+  if budget > 0:
+    page_bytes = paged_cache.pool_bytes(model_config, num_pages=1, page_size=cache.page_size,
+                                        dtype=cache.kv_dtype)
+    pages = paged_cache.num_pages_for_budget(model_config, memory_bytes=int(budget * 2**30),
+                                             page_size=cache.page_size, dtype=cache.kv_dtype)
+    reason = (f"cache.kv_memory_gib={budget:g} GiB at {page_bytes / 2**10:,.0f} KiB a page "
+              f"holds {pages:,}")
+  else:
+    plan = real_memory_plan(config, model_config, params)
+    pages, reason = min(plan.num_pages, MAX_PAGES), "the memory plan"
   if checkpoint and cache.num_pages:
     reason += f" (cache.num_pages={cache.num_pages:,} sizes the config's own model)"
   if pages_needed is not None and pages_needed < pages:
     return max(pages_needed, 2), (f"{reason}; the workload needs at most {pages_needed:,} "
-                                  "(all its requests at once, above the watermark)")
-  return pages, reason
+                                  "(all its requests at once, above the watermark)"), plan
+  return pages, reason, plan
 
 
 def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware: HardwareSpec,
                    checkpoint: str | None = None, num_pages: int = 0,
                    paced: bool = False, pages_needed: int | None = None) -> ServingSetup:
   """The engine `serve_bench` runs: real (`jax`, random weights or a checkpoint) or `sim`
-  (`paced`: in wall time, for a live server). A real run's pool: `real_pool_pages`."""
+  (`paced`: in wall time, for a live server). A real run's pool: `real_pool_pages`; a
+  simulated one's: `--num_pages`, else the memory plan (`sim_memory_plan`)."""
   page_size, host_pages = config.cache.page_size, config.scheduler.num_host_pages
   if executor == "sim":
     for name, value in (("num_pages", num_pages), ("num_host_pages", host_pages)):
@@ -256,9 +364,10 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
       if not 0 <= value <= MAX_PAGES:
         raise ValueError(f"--{name} must be in [0, {MAX_PAGES:,}], got {value:,}")
     tensor_parallel = config.mesh.tensor_parallel
-    num_pages = num_pages or sim_pool_pages(config.model, hardware, page_size=page_size,
-                                            kv_dtype=config.cache.kv_dtype,
-                                            tensor_parallel=tensor_parallel)
+    plan, reason = None, "--num_pages"
+    if not num_pages:
+      plan = sim_memory_plan(config, hardware)
+      num_pages, reason = min(plan.num_pages, MAX_PAGES), "the memory plan"
     rates, rates_source = step_rates(hardware, config.sim.calibration)
     engine = sim_engine(config.model, hardware, config.scheduler, num_pages=num_pages,
                         page_size=page_size, kv_dtype=config.cache.kv_dtype,
@@ -266,15 +375,16 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
                         tensor_parallel=tensor_parallel, rates=rates)
     record = dict(dataclasses.asdict(hardware), tensor_parallel=tensor_parallel,
                   step_rates=rates.to_dict(), step_rates_source=rates_source)
-    return ServingSetup(engine, config, num_pages, record)
+    return ServingSetup(engine, config, num_pages, record, reason, plan)
+  params = None
   if checkpoint:
     model_config, params = hf.load(checkpoint)
     check_runnable(config, model_config)
     config.model = model_config
     config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
-  num_pages, pool_reason = real_pool_pages(config, config.model, num_pages=num_pages,
-                                           checkpoint=bool(checkpoint),
-                                           pages_needed=pages_needed)
+  num_pages, pool_reason, plan = real_pool_pages(config, config.model, num_pages=num_pages,
+                                                 checkpoint=bool(checkpoint),
+                                                 pages_needed=pages_needed, params=params)
   if not checkpoint:
     check_runnable(config)
     check_memory(config.model, num_pages=num_pages, page_size=page_size,
@@ -286,4 +396,4 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
   device = jax.devices()[0]
   return ServingSetup(engine, config, num_pages,
                       dict(name=f"{device.platform} (real run)", device=str(device)),
-                      pool_reason)
+                      pool_reason, plan)

@@ -31,7 +31,8 @@ _MODEL_NAME = flags.DEFINE_string("served_model_name", None,
                                   "directory name, or the config's model name).")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = the "
                                   "config's cache.num_pages, else what cache.kv_memory_gib "
-                                  "holds (the simulator: what the device holds).")
+                                  "holds, else (kv_memory_gib=0) the memory plan (the "
+                                  "simulator: always the plan's).")
 _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
                               "The real model, or a simulated GPU in real time (the step "
                               "model of --hardware, every step slept through; token ids only).")
@@ -111,7 +112,8 @@ def main(argv: list[str]) -> None:
   gateway = app_lib.Gateway(engine, server_config, tokenizer)
   server_lib.serve(gateway, host=_HOST.value, port=_PORT.value,
                    banner=f"{setup.num_pages:,} KV pages"
-                   + (f" ({setup.pool_reason})" if setup.pool_reason else ""))
+                   + (f" ({setup.memory_plan.reason()})" if setup.memory_plan
+                      else f" ({setup.pool_reason})" if setup.pool_reason else ""))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from experiments import build, cli, progress
 from kvpage.host import scheduler_config
 from kvpage.host.request import SamplingParams
 from kvpage.sim import capacity, metrics, premises, replay, workload
+from kvpage.sim.memory_plan import MemoryPlan
 from models import hf
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file.")
@@ -182,7 +183,7 @@ def prepare(config: ml_collections.ConfigDict,
     if settings.executor == "sim":
       scheduler_config.check(config.scheduler, config.model.max_seq_len)
     else:
-      num_pages, _ = build.real_pool_pages(config, config.model, num_pages=settings.num_pages,
+      num_pages, *_ = build.real_pool_pages(config, config.model, num_pages=settings.num_pages,
                                            pages_needed=pages_needed(config, settings, trace))
       scheduler_config.check(config.scheduler, build.max_model_len(
           config.model, num_pages=num_pages, page_size=config.cache.page_size))
@@ -304,6 +305,7 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
       executor=settings.executor, model=setup.config.model.to_dict(),
       dtype=setup.config.model.dtype, hardware=setup.hardware_record,
       num_pages=setup.num_pages, pool_reason=setup.pool_reason,
+      memory_plan=setup.memory_plan and setup.memory_plan.to_dict(),
       page_size=setup.config.cache.page_size, policies=setup.config.scheduler.to_dict(),
       seed=settings.seed,
       workload=dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
@@ -341,6 +343,8 @@ def format_summary(summary: dict) -> str:
       f"decode_steps={p['policies'].get('num_decode_steps', 1)}",
       f"  cache     {summary['pages_total']:,} pages x {p['page_size']} tokens"
       + (f" ({p['pool_reason']})" if p.get("pool_reason") else ""),
+      *[f"  {'memory' if i == 0 else '':<9} {line}" for i, line in enumerate(
+          MemoryPlan.from_dict(p["memory_plan"]).lines() if p.get("memory_plan") else [])],
       *([f"  steps     tensor parallel {p['hardware']['tensor_parallel']}, priced by "
          f"{p['hardware']['step_rates_source']}"] if "step_rates_source" in p["hardware"] else []),
       "",

@@ -58,16 +58,15 @@ def test_hardware_table_cites_sources():
 def test_a_real_runs_pool_comes_from_one_byte_budget():
   config = tiny.get_config()
   page = 2 * 4 * 4 * 2 * 64 * 16  # K and V, fp32, 4 layers, 2 KV heads, head_dim 64, 16 tokens
-  assert build.real_pool_pages(config, config.model, num_pages=40) == (40, "--num_pages")
+  assert build.real_pool_pages(config, config.model, num_pages=40)[:2] == (40, "--num_pages")
   assert build.real_pool_pages(config, config.model)[0] == 256  # the config's own count
   # A checkpoint replaced the config's model: the byte budget, not the page count.
-  pages, reason = build.real_pool_pages(config, config.model, checkpoint=True)
+  pages, reason, plan = build.real_pool_pages(config, config.model, checkpoint=True)
   assert pages == 4 * 2**30 // page and "cache.num_pages=256 sizes the config's own" in reason
-  pages, reason = build.real_pool_pages(config, config.model, checkpoint=True, pages_needed=99)
+  assert plan is None
+  pages, reason, _ = build.real_pool_pages(config, config.model, checkpoint=True,
+                                           pages_needed=99)
   assert pages == 99 and "needs at most 99" in reason
-  config.cache.num_pages, config.cache.kv_memory_gib = 0, 0.0
-  with pytest.raises(ValueError, match="sets no KV pool"):
-    build.real_pool_pages(config, config.model)
   config.cache.kv_memory_gib = -1.0
   with pytest.raises(ValueError, match=r"cache\.kv_memory_gib must be a finite number"):
     base.check(config)

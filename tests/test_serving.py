@@ -36,7 +36,7 @@ def run(engine, trace, *, per_step=None):
 def sim_13b(scheduler_overrides=None):
   config = llama_13b.get_config()
   config.scheduler.update(scheduler_overrides or {})
-  num_pages = build.sim_pool_pages(config.model, A100, page_size=16)
+  num_pages = build.sim_memory_plan(config, A100).num_pages
   return build.sim_engine(config.model, A100, config.scheduler, num_pages=num_pages,
                           page_size=16), config
 
@@ -61,8 +61,12 @@ def test_capacity_cross_check_fully_grown_4k_requests():
   """
   engine, config = sim_13b(dict(watermark=0.0, max_num_seqs=64, prefill_policy="none",
                                 max_num_batched_tokens=30 * 4096))
+  # The pool is the memory plan's: 90% of the device, less weights and activations.
+  memory = build.sim_memory_plan(config, A100)
   plan = capacity.plan(capacity.ModelShape.from_config(config.model), seq_len=4096,
-                       weight_dtype="fp16", memory_bytes=A100.memory_bytes)
+                       weight_dtype="fp16", memory_bytes=memory.usable_bytes,
+                       reserve_bytes=memory.activation_bytes)
+  assert memory.num_pages - 1 == plan.pool_pages - 1  # the null page is one of the pool's
   trace = [workload.TraceRequest(f"r{i}", 0.0, tuple([1] * 4000), 96) for i in range(30)]
   peak = [0]
 
@@ -71,7 +75,9 @@ def test_capacity_cross_check_fully_grown_4k_requests():
     peak[0] = max(peak[0], sum(len(p) == plan.pages_per_request for p in pages.values()))
 
   requests, recorder, _ = run(engine, trace, per_step=count_full)
-  assert plan.max_concurrent_requests == 17
+  # 17 with all 80 GiB and no reserve (the capacity model's figure); a one-step prefill of
+  # all 30 prompts (122,880 tokens) reserves 9.9 GiB of activations.
+  assert plan.max_concurrent_requests == 12
   assert peak[0] == plan.max_concurrent_requests
   assert_line_held(requests, recorder, engine)
 

@@ -1,6 +1,6 @@
 """A long-context step's scratch memory grows with the pages it touches, not tokens x context.
 
-The compiled step's temporary memory (`memory_analysis().temp_size_in_bytes`) is read
+The compiled step's temporary memory (`Step.temp_bytes`, XLA's buffer assignment) is read
 at two page-table widths, 1,024 and 2,048 tokens of context, for the shapes of a decode
 step of 32 sequences and of a mixed step (512 tokens, e.g. a prompt chunk beside 31
 decodes); the analysis is static, so shapes are all it reads. Doubling
@@ -13,7 +13,6 @@ and at 2,048, the mixed step ~5.8 MB.)
 import functools
 
 import jax
-import numpy as np
 import pytest
 
 from configs import tiny
@@ -36,10 +35,7 @@ def temp_bytes(context: int, num_tokens: int, decode_only: bool) -> int:
                                            page_size=PAGE_SIZE))
   step = step_lib.Step(functools.partial(llama.forward, config=MODEL))
   batch = batch_lib.example_batch(num_tokens, NUM_SEQS, width, decode_only=decode_only)
-  packed, layout = batch_lib.pack(batch)
-  compiled = step._jitted.lower(params, cache, packed, np.zeros(step.feed_width, np.int32),
-                                layout=layout, all_greedy=True).compile()
-  return compiled.memory_analysis().temp_size_in_bytes
+  return step.temp_bytes(params, cache, batch, all_greedy=True)
 
 
 def kv_bytes(tokens: int) -> int:

@@ -124,6 +124,16 @@ class Step:
     last = samples[jnp.maximum(batch.num_steps - 1, 0), jnp.arange(num_seqs)]
     return samples, jnp.zeros_like(feed).at[:num_seqs].set(last), cache
 
+  def temp_bytes(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
+                 all_greedy: bool) -> int:
+    """Bytes of temporaries XLA's buffer assignment gives this batch's step program: the
+    activations it needs beside its arguments. Compiles the program and runs nothing;
+    `params` and `cache` may be `jax.ShapeDtypeStruct`s (nothing is allocated)."""
+    packed, layout = batch_lib.pack(batch)
+    compiled = self._jitted.lower(params, cache, packed, np.zeros(self.feed_width, np.int32),
+                                  layout=layout, all_greedy=all_greedy).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
   def empty_feed(self) -> jax.Array:
     """An all-zero feed, for a step whose batch has no token in flight.
 
