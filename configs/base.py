@@ -15,7 +15,7 @@ import ml_collections
 
 from configs import model_table, scheduler
 from kvpage import units
-from kvpage.sim import capacity
+from kvpage.sim import capacity, memory_plan
 
 DTYPES = tuple(units.DTYPES)
 
@@ -51,7 +51,8 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # largest step's activations (`experiments.build.real_pool_pages`). A simulated run's
   # pool is always the plan's, on the hardware entry's memory (`sim_memory_plan`).
   config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0,
-                                                kv_memory_gib=4.0, memory_utilization=0.9))
+                                                kv_memory_gib=4.0,
+                                                memory_utilization=memory_plan.DEFAULT_UTILIZATION))
   config.hardware = hardware
   config.mesh = ml_collections.ConfigDict(dict(tensor_parallel=tensor_parallel))
   config.sim = ml_collections.ConfigDict(dict(calibration=""))
@@ -118,7 +119,7 @@ def check(config) -> None:
   budget = cache.get("kv_memory_gib")
   if budget != 0:
     _positive_number("cache.kv_memory_gib", budget)
-  utilization = cache.get("memory_utilization", 0.9)
+  utilization = cache.get("memory_utilization", memory_plan.DEFAULT_UTILIZATION)
   _positive_number("cache.memory_utilization", utilization)
   if utilization > 1:
     raise ValueError(f"cache.memory_utilization must be in (0, 1], got {utilization!r}")
