@@ -78,3 +78,18 @@ def test_reservations_are_admitted_in_rank_order_and_not_before_due():
                        [forecast.Job("r0", 8, 2, 0, 0, 3, due=0.5),
                         forecast.Job("r1", 8, 2, 0, 0, 3)])
   assert "r1" not in tight.admitted or tight.admitted["r1"] >= tight.admitted["r0"]
+
+
+def test_a_forecast_made_while_a_step_is_in_flight_starts_when_it_ends():
+  """Under async scheduling the requests already count the step in flight: the forecast
+  starts when it is back, so every time shifts by it and the pace is unchanged."""
+  def queue() -> list[forecast.Job]:  # a fresh one each run: a run consumes its jobs
+    return [forecast.Job("w0", 20, 2, 0, 0, 6, waiting=True)]
+
+  now = forecast.run(rules(), 6, [decoding("a", 8, 3)], queue(), [])
+  later = forecast.run(rules(), 6, [decoding("a", 8, 3)], queue(), [], start_s=0.5)
+  assert later.times[0] == 0.0 and later.rooms == now.rooms
+  assert later.times[1:] == pytest.approx([t + 0.5 for t in now.times[1:]])
+  assert later.scheduled["w0"] == pytest.approx(now.scheduled["w0"] + 0.5)
+  assert later.seconds_per_step == pytest.approx(now.seconds_per_step)
+

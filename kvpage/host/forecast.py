@@ -20,6 +20,11 @@ A pure-decode stretch (nothing to prefill, nothing that can join) is one jump to
 next request's end, so the forecast costs a few hundred steps of Python, not one per
 simulated step. The run stops when everything in it has ended or at the horizon.
 
+Under async scheduling a step is in flight when the forecast is made, and the
+requests already count its tokens (each as pending): the forecast starts when that
+step is expected to end (`run`'s `start_s`), not now, or every "when" would come one
+step early.
+
 What it returns is a `Timeline`: the room above the line after every forecast step,
 and when each queued request and reservation is admitted and first scheduled. What it
 leaves out: arrivals not yet seen, stop tokens (so ends come late, never early), and
@@ -45,6 +50,9 @@ class Queues(NamedTuple):
   swapped: Sequence[Request]
   waiting: Sequence[Request]
   key: object  # changes whenever any of the three (or the pages they hold) may have
+  # Steps launched but not back yet, in launch order: (earliest start, tokens, context
+  # tokens, sequences, iterations), their work already counted in the requests.
+  in_flight: Sequence[tuple[float, int, int, int, int]] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,24 +124,33 @@ class Rules:
 
 
 def run(rules: Rules, free_pages: int, running: list[Job], queue: list[Job],
-        reserved: list[Job]) -> Timeline:
-  """Forecasts the scheduler from now (see the module docstring). `queue` in the order
-  it is served (swapped first), `reserved` in rank order; all three are consumed."""
-  return _Run(rules, free_pages, running, queue, reserved).timeline()
+        reserved: list[Job], start_s: float = 0.0) -> Timeline:
+  """Forecasts the scheduler from now (see the module docstring), its first step
+  starting `start_s` from now (when the steps in flight end). `queue` in the order it
+  is served (swapped first), `reserved` in rank order; all three are consumed."""
+  return _Run(rules, free_pages, running, queue, reserved, start_s).timeline()
+
+
+def step_seconds(costs: tuple[float, float, float, float], num_tokens: int,
+                 num_context_tokens: int) -> float:
+  """One step's seconds at `costs` (launch, per token, per context token, floor)."""
+  launch, per_token, per_context, floor = costs
+  return max(floor, launch + per_token * num_tokens + per_context * num_context_tokens)
 
 
 class _Run:
   """The state of one forecast as it steps."""
 
   def __init__(self, rules: Rules, free_pages: int, running: list[Job], queue: list[Job],
-               reserved: list[Job]):
+               reserved: list[Job], start_s: float = 0.0):
     self.rules, self.free = rules, free_pages
     self.running, self.queue, self.reserved = running, queue, reserved
     self.queue_charge = sum(job.estimate for job in queue)
     self.reserved_charge = sum(job.estimate for job in reserved)
     self.chunk = rules.chunk_size or rules.max_num_batched_tokens
-    self.now, self.num_steps = 0.0, 0
     self.out = Timeline([0.0], [self.room()], {}, {}, [], 0.0)
+    self.start_s = self.now = start_s  # nothing changes before the steps in flight end
+    self.num_steps = 0
 
   def room(self) -> int:
     return self.free - self.queue_charge - self.reserved_charge
@@ -148,8 +165,8 @@ class _Run:
         self.now = min(upcoming)
     out = self.out
     launch, per_token, _, floor = self.rules.decode_costs
-    out.seconds_per_step = self.now / self.num_steps if self.num_steps else max(
-        floor, launch + per_token)
+    out.seconds_per_step = ((self.now - self.start_s) / self.num_steps if self.num_steps
+                            else max(floor, launch + per_token))
     return out
 
   def admit_reservations(self) -> None:

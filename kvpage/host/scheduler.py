@@ -339,11 +339,16 @@ class Scheduler:
     return self.admission.wait.eta(request, self.clock(), self._queues())
 
   def _queues(self) -> Queues:
-    """The queues as the wait forecast reads them; the key changes whenever the running
-    set, the backlog or the pages they hold may have."""
+    """The queues as the wait forecast reads them, and the steps in flight (each starts
+    when it was launched or when the step before it came back, the later); the key
+    changes whenever the running set, the backlog, the pages they hold or the steps in
+    flight may have."""
+    in_flight = [(max(launched, self._last_update), tokens, context, num_sequences, iterations)
+                 for launched, tokens, context, num_sequences, iterations
+                 in self._launched.values()]
     return Queues(self.running, self.swapped, self.waiting,
                   (self._step, self._num_finished, sum(self._preemptions.values()),
-                   self._num_joins))
+                   self._num_joins, tuple(self._launched)), in_flight)
 
   def stats(self) -> dict[str, Any]:
     """Counters and gauges for the metrics module: usage, queues, preemptions, rejections."""

@@ -210,7 +210,12 @@ class WaitEstimator:
                 if rid not in live]
     rules = forecast.Rules(decode_costs=decode_costs, prefill_costs=prefill_costs,
                            **self.rules)
-    timeline = forecast.run(rules, pool.num_free_pages, running, queue, reserved)
+    ends = now  # when the steps in flight are expected back, one after the other
+    for start, tokens, context, num_sequences, iterations in queues.in_flight:
+      costs = prefill_costs if tokens != num_sequences else decode_costs
+      ends = max(ends, start) + iterations * forecast.step_seconds(costs, tokens, context)
+    timeline = forecast.run(rules, pool.num_free_pages, running, queue, reserved,
+                            start_s=ends - now)
     self._forecast = (queues.key, now, timeline, [])
     return timeline, now, self._forecast[3]
 
