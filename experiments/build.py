@@ -160,16 +160,24 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
                rates: StepRates | None = None) -> Engine:
   """An engine over a simulated GPU group: the same scheduler, a `StepModel` executor,
   virtual time (`paced`: wall time, each step slept through, to serve live clients).
-  `rates`: default the hardware's own (`step_rates`)."""
+  `rates`: default the hardware's own (`step_rates`); rates fit on padded steps price
+  each step at the shape a kvpage server pads it to."""
   clock = PacedClock() if paced else VirtualClock()
+  rates = rates or step_rates(hardware)[0]
   model = StepModel(capacity.ModelShape.from_config(model_config),
-                    rates or step_rates(hardware)[0], weight_dtype=model_config.dtype,
+                    rates, weight_dtype=model_config.dtype,
                     kv_dtype=kv_dtype, page_size=page_size, tensor_parallel=tensor_parallel,
                     host_link_bandwidth=hardware.host_link_bandwidth)
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
                         max_model_len=model_config.max_seq_len, num_host_pages=num_host_pages,
                         clock=clock, vocab_size=model_config.vocab_size)
-  return Engine(scheduler, SimExecutor(model, clock))
+  # The simulated device overlaps with the host as a real one does (`SimExecutor`), so
+  # async scheduling delays a new request by the same step it costs on a real run.
+  buckets = batch_lib.Buckets.for_server(
+      max_model_len=model_config.max_seq_len, page_size=page_size,
+      max_num_seqs=scheduler_config.max_num_seqs) if rates.padded_work else None
+  return Engine(scheduler, SimExecutor(model, clock, buckets),
+                async_scheduling=scheduler_config.async_scheduling)
 
 
 def largest_steps(config: ml_collections.ConfigDict) -> list[tuple[int, int, bool]]:

@@ -29,7 +29,7 @@ from absl import flags
 from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import build, cli
-from kvpage.sim import calibration
+from kvpage.sim import calibration, step_model
 from kvpage.sim.step_model import StepModel, StepRates
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file (the model that ran).")
@@ -56,10 +56,12 @@ _KNEE = flags.DEFINE_integer("knee_tokens", None, "Tokens where small steps end;
 _OUT = flags.DEFINE_string("out", None, "Write the calibration file here.")
 _JSON = flags.DEFINE_bool("json", False, "Print the calibration record as JSON, not a table.")
 
-def step_samples(paths: Sequence[str], model: StepModel) -> tuple[list[calibration.Sample], int]:
-  """Samples from kvpage `steps.jsonl` files, and how many rows were skipped (multi-step
-  launches, empty steps, steps without a recorded time)."""
-  samples, skipped = [], 0
+def step_samples(paths: Sequence[str],
+                 model: StepModel) -> tuple[list[calibration.Sample], int, bool]:
+  """Samples from kvpage `steps.jsonl` files, how many rows were skipped (multi-step
+  launches, empty steps, steps without a recorded time), and whether any step was
+  padded: each step is counted at the shape its executor computed (`padded_counts`)."""
+  samples, skipped, padded = [], 0, False
   for path in paths:
     try:
       lines = pathlib.Path(path).read_text().splitlines()
@@ -77,12 +79,15 @@ def step_samples(paths: Sequence[str], model: StepModel) -> tuple[list[calibrati
       if not seconds or work["iterations"] != 1 or not work["num_tokens"]:
         skipped += 1
         continue
+      counts = {key: work[key] for key in ("num_tokens", "num_sequences", "num_sampled",
+                                           "prefill_pairs", "decode_context")}
+      if "padded_tokens" in work:
+        shape = work["padded_tokens"], work["padded_sequences"]
+        padded |= shape != (work["num_tokens"], work["num_sequences"])
+        counts = step_model.padded_counts(counts, *shape)
       samples.append(calibration.Sample(model.work_from_counts(
-          num_tokens=work["num_tokens"], num_sequences=work["num_sequences"],
-          num_sampled=work["num_sampled"], prefill_pairs=work["prefill_pairs"],
-          decode_context=work["decode_context"], num_swapped_pages=work["swap_pages"]),
-          float(seconds), f"step {row['step']}"))
-  return samples, skipped
+          **counts, num_swapped_pages=work["swap_pages"]), float(seconds), f"step {row['step']}"))
+  return samples, skipped, padded
 
 
 def table(rows: list[dict]) -> str:
@@ -120,13 +125,13 @@ def main(argv: list[str]) -> None:
         max_decode_batch=_TRAIN_DECODE.value, max_prefill_tokens=_TRAIN_PREFILL.value)
     train += fit_part
     held += held_part
-  steps, skipped = step_samples(_STEPS.value, model)
-  test, test_skipped = step_samples(_TEST_STEPS.value, model)
+  steps, skipped, padded = step_samples(_STEPS.value, model)
+  test, test_skipped, _ = step_samples(_TEST_STEPS.value, model)
   train += steps
   held += test
   sources = [*(_PROFILE.value), *(_STEPS.value)]
   result = calibration.fit(train, model, hardware, weighting=_WEIGHTING.value,
-                           knee_tokens=_KNEE.value,
+                           knee_tokens=_KNEE.value, padded_work=padded,
                            source="fitted by experiments.calibrate on " + ", ".join(sources))
   priced = model.with_rates(result.rates)
   rows = calibration.points(train, priced, "train") + calibration.points(held, priced, "held-out")

@@ -284,7 +284,8 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
                     num_decode_steps=scheduler_config.num_decode_steps)
   compiles_before = executor.num_compiles
   # The clock of record starts here, after set-up and warm-up.
-  recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock)
+  recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock,
+                                     step_shape=setup.engine.executor.step_shape)
   setup.engine.on_step = recorder.on_step
   scheduler = setup.engine.scheduler
   with contextlib.ExitStack() as stack:

@@ -104,6 +104,12 @@ class Buckets:
       raise ValueError(f"num_seqs={num_seqs} exceeds the pinned mixed batch size {seqs}")
     return bucket(num_tokens, self.token_buckets, "num_tokens"), seqs
 
+  def padded_shape(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """`(tokens, seqs)` a batch of these sizes is padded to: decode-only when every
+    sequence brings one token, else mixed."""
+    return (self.decode_shape(num_seqs) if num_tokens == num_seqs
+            else self.mixed_shape(num_tokens, num_seqs))
+
   def table_width(self, num_pages: int) -> int:
     if self.max_pages_per_seq is None:
       return table_bucket(num_pages)
@@ -195,8 +201,7 @@ def build(scheduled: Sequence[Any], *, page_size: int, buckets: Buckets | None =
   buckets = buckets or DEFAULT_BUCKETS
   num_tokens, num_seqs = sum(query_lens), len(scheduled)
   decode_only = num_tokens == num_seqs  # every sequence brings one token (none brings zero)
-  padded_tokens, padded_seqs = (buckets.decode_shape(num_seqs) if decode_only
-                                else buckets.mixed_shape(num_tokens, num_seqs))
+  padded_tokens, padded_seqs = buckets.padded_shape(num_tokens, num_seqs)
   batch = example_batch(padded_tokens, padded_seqs, buckets.table_width(max(table_lens)),
                         decode_only=decode_only)
   _fill_tables(batch, scheduled, table_lens)

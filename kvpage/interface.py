@@ -137,6 +137,11 @@ class Executor(abc.ABC):
   def collect(self, ticket: Any) -> Samples:
     """Waits for a submitted step; returns its samples."""
 
+  def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
+    """`(tokens, sequences)` the step computes, padding included: what its cost depends
+    on. This default computes the batch as scheduled, unpadded."""
+    return output.num_batched_tokens, len(output.scheduled)
+
   @abc.abstractmethod
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:

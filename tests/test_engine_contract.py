@@ -85,3 +85,31 @@ def test_simulated_executor_keeps_the_contract():
   assert engine.clock() == 0.0 and executor.costs == []  # warm-up ran nothing
   requests = engine.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True))
   assert [len(r.output_ids) for r in requests] == [5, 5, 5] and engine.clock() > 0
+
+
+def test_the_simulated_device_queues_steps_behind_the_one_in_flight():
+  """`submit` returns at once with the step queued behind the one in flight; `collect`
+  waits (advances the clock) to its end. So under async scheduling a request that
+  arrives while step k runs is seen when step k's samples return, after step k + 1 was
+  launched: it joins step k + 2, as on a real device."""
+  config = tiny.get_config()
+  engine = build.sim_engine(config.model, hardware_lib.get_hardware("cpu"), config.scheduler,
+                            num_pages=64, page_size=16)
+  assert engine.async_scheduling  # the config's default, as for a real engine
+  executor, clock = engine.executor, engine.clock
+  sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+  first, _ = engine.add_request([1] * 40, sampling)
+  engine.step()  # launches step 1 (the prompt); nothing to collect yet
+  assert clock() == 0.0 and len(executor.costs) == 1
+  engine.step()  # launches step 2 (first's decode) behind it, then waits for step 1
+  assert clock() == pytest.approx(executor.costs[0].seconds)
+  late, _ = engine.add_request([2] * 40, sampling)  # arrived while step 1 ran
+  assert engine.step()[0].new_token_ids  # launches step 3, collects step 2
+  tokens = [cost.work.num_tokens for cost in executor.costs]
+  assert tokens == [40, 1, 41]  # late's prompt went into step 3, not step 2
+  assert clock() == pytest.approx(executor.costs[0].seconds + executor.costs[1].seconds)
+  engine.run_until_done()
+  assert len(first.output_ids) == len(late.output_ids) == 6
+  assert clock() == pytest.approx(sum(cost.seconds for cost in executor.costs))
+  first_token = next(event.time for event in late.events if event.kind == "first_token")
+  assert first_token == pytest.approx(sum(cost.seconds for cost in executor.costs[:3]))

@@ -96,7 +96,8 @@ def test_capacity_is_per_device_over_a_tensor_parallel_group():
 KNOWN = StepRates(launch_s=2e-3, per_sequence_s=5e-5, knee_tokens=128, small_flops=40e12,
                   small_bandwidth=1.2e12, large_flops=150e12, large_bandwidth=1.0e12,
                   prefill_attention_flops=60e12, decode_attention_bandwidth=0.4e12,
-                  allreduce_latency_s=2e-5, link_bandwidth=300e9, source="test")
+                  allreduce_latency_s=2e-5, link_bandwidth=300e9, source="test",
+                  prefill_launch_s=4e-3)
 
 
 def synthetic_samples(model: StepModel, seed: int) -> list[calibration.Sample]:
@@ -121,8 +122,9 @@ def test_the_fit_recovers_known_rates_from_synthetic_step_times(weighting):
   result = calibration.fit(synthetic_samples(model, 0), model, A100, weighting=weighting,
                            knee_tokens=128, tie_decode_attention=False)
   assert result.not_identified == ()
-  for field in ("launch_s", "per_sequence_s", "small_flops", "small_bandwidth", "large_flops",
-                "large_bandwidth", "prefill_attention_flops", "decode_attention_bandwidth"):
+  for field in ("launch_s", "prefill_launch_s", "per_sequence_s", "small_flops",
+                "small_bandwidth", "large_flops", "large_bandwidth", "prefill_attention_flops",
+                "decode_attention_bandwidth"):
     assert getattr(result.rates, field) == pytest.approx(getattr(KNOWN, field), rel=1e-3), field
   assert result.rms_relative_error < 1e-6
 
@@ -190,6 +192,37 @@ def test_a_simulated_runs_steps_calibrate_back_to_its_rates(tmp_path):
   assert rates["large_flops"] == pytest.approx(template.large_flops, rel=1e-3)
   assert rates["small_bandwidth"] == pytest.approx(template.small_bandwidth, rel=1e-3)
   assert rates["launch_s"] == pytest.approx(template.launch_s, rel=1e-2)
+
+
+def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path):
+  """Rates fit on padded work (a kvpage run's steps) make the simulator pad its steps to
+  the server's buckets; its steps.jsonl records the padded shapes, and fitting them gives
+  back rates that price every step as the simulator did."""
+  cpu = hardware_lib.get_hardware("cpu")
+  rates = dataclasses.replace(StepRates.template(cpu), per_sequence_s=1e-4,
+                              prefill_launch_s=1e-2, padded_work=True)
+  given = tmp_path / "given.json"
+  given.write_text(json.dumps(dict(rates=rates.to_dict())))
+  run = subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", "--config=configs/tiny.py",
+       "--executor=sim", "--hardware=cpu", f"--calibration={given}", "--num_requests=40",
+       "--arrival_rate=50", "--prompt_len=uniform:16:300", "--output_len=uniform:8:64",
+       f"--workdir={tmp_path}/a"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert run.returncode == 0, run.stderr
+  rows = [json.loads(line) for line in (tmp_path / "a" / "steps.jsonl").read_text().splitlines()]
+  decodes = [row["work"] for row in rows if row["work"]["prefill_pairs"] == 0
+             and row["work"]["num_sequences"] in (3, 5, 6, 7)]
+  assert decodes and all(work["padded_sequences"] in (4, 8) for work in decodes)
+  assert all(row["work"]["padded_tokens"] >= row["work"]["num_tokens"] for row in rows)
+  fit = subprocess.run(
+      [sys.executable, "-m", "experiments.calibrate", "--config=configs/tiny.py",
+       "--hardware=cpu", f"--steps={tmp_path}/a/steps.jsonl", "--json"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert fit.returncode == 0, fit.stderr
+  record = json.loads(fit.stdout)
+  assert record["rates"]["padded_work"] is True
+  assert max(abs(row["error"]) for row in record["points"]) < 1e-3
+  assert record["rates"]["prefill_launch_s"] == pytest.approx(1e-2, rel=1e-2)
 
 
 @pytest.mark.parametrize("argv,message", [

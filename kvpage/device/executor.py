@@ -70,6 +70,12 @@ class JaxExecutor(Executor):
   def num_compiles(self) -> int:
     return self.step.num_compiles
 
+  def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
+    """The batch's padded `(tokens, sequences)` (`Buckets.padded_shape`)."""
+    if not output.scheduled:
+      return 0, 0
+    return self.buckets.padded_shape(output.num_batched_tokens, len(output.scheduled))
+
   def submit(self, output: SchedulerOutput) -> Ticket:
     """Runs the page copies and launches the step, without waiting for its result."""
     with transfer_guard():

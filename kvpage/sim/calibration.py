@@ -4,7 +4,7 @@
 `StepRates` whose `StepModel` prices them best:
 
   * Every part is linear in the inverse of its rate (seconds per FLOP, per byte, per
-    sequence), except the linear layers' `max(FLOPs / C, bytes / W)`. For that the fit
+    sequence, per launch), except the linear layers' `max(FLOPs / C, bytes / W)`. For that the fit
     enumerates which steps are compute-bound: per regime (small, large), the steps
     below a token threshold read weights (memory-bound) and the rest compute, for
     every threshold between the steps' token counts (a coarse grid, then refined);
@@ -80,7 +80,8 @@ class Fit:
   def describe(self) -> list[str]:
     r = self.rates
     lines = [
-        f"launch {1e3 * r.launch_s:.3f} ms, per sequence {1e3 * r.per_sequence_s:.4f} ms",
+        f"launch {1e3 * r.launch_s:.3f} ms (+ {1e3 * r.prefill_launch_s:.3f} ms with prompt "
+    f"chunks), per sequence {1e3 * r.per_sequence_s:.4f} ms",
         f"linear, steps < {r.knee_tokens} tokens: {r.small_flops / 1e12:.3g} TFLOP/s, "
         f"weights at {r.small_bandwidth / 1e9:.4g} GB/s",
         f"linear, steps >= {r.knee_tokens} tokens: {r.large_flops / 1e12:.3g} TFLOP/s, "
@@ -90,7 +91,9 @@ class Fit:
         + (" (tied to the small steps' weight bandwidth)" if self.tied_decode_attention else ""),
         f"all-reduce (not fit): {1e6 * r.allreduce_latency_s:.0f} us + bytes at "
         f"{r.link_bandwidth / 1e9:.4g} GB/s",
-        f"weighting {self.weighting}; RMS relative error {100 * self.rms_relative_error:.1f}%"]
+        f"weighting {self.weighting}; RMS relative error {100 * self.rms_relative_error:.1f}%"
+        + ("; steps counted at their padded shapes (the simulator pads likewise)"
+           if r.padded_work else "")]
     if self.not_identified:
       lines.append("not identified by these steps (fallbacks): " + ", ".join(self.not_identified))
     return lines
@@ -114,10 +117,10 @@ def _fixed_seconds(model: StepModel, work: StepWork) -> float:
 
 def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
             tie: bool) -> np.ndarray:
-  """The least-squares columns, one row per step, for a memory/compute assignment: launch,
-  sequences, small steps' weight bytes, large steps' weight bytes, linear FLOPs, small
-  steps' extra FLOPs, prefill attention FLOPs, decode KV bytes (the inverse rates'
-  order everywhere in this module)."""
+  """The least-squares columns, one row per step, for a memory/compute assignment:
+  launch, prefill launch, sequences, small steps' weight bytes, large steps' weight
+  bytes, linear FLOPs, small steps' extra FLOPs, prefill attention FLOPs, decode KV
+  bytes (the inverse rates' order everywhere in this module)."""
   rows = []
   for w in works:
     small = w.num_tokens < knee
@@ -125,7 +128,7 @@ def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
     busy = 1.0 if w.num_tokens > 0 else 0.0
     weights = w.weight_bytes if memory else 0.0
     flops = 0.0 if memory else w.linear_flops
-    rows.append([busy, w.num_sequences,
+    rows.append([busy, 1.0 if w.has_prefill else 0.0, w.num_sequences,
                  (weights if small else 0.0) + (w.decode_kv_bytes if tie else 0.0),
                  0.0 if small else weights, flops, flops if small else 0.0,
                  w.prefill_attention_flops, 0.0 if tie else w.decode_kv_bytes])
@@ -134,14 +137,15 @@ def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
 
 def _predict(x: np.ndarray, works: Sequence[StepWork], knee: int, tie: bool) -> np.ndarray:
   """Seconds for inverse rates `x` (in `_design`'s column order), with the true max()."""
-  launch, per_seq, small_w, large_w, flops, extra, prefill, decode = x
+  launch, prefill_launch, per_seq, small_w, large_w, flops, extra, prefill, decode = x
   out = []
   for w in works:
     small = w.num_tokens < knee
     compute = w.linear_flops * (flops + (extra if small else 0.0))
     memory = w.weight_bytes * (small_w if small else large_w)
     kv = w.decode_kv_bytes * (small_w if tie else decode)
-    out.append((1.0 if w.num_tokens > 0 else 0.0) * launch + per_seq * w.num_sequences
+    out.append((1.0 if w.num_tokens > 0 else 0.0) * launch
+               + (prefill_launch if w.has_prefill else 0.0) + per_seq * w.num_sequences
                + max(compute, memory) + w.prefill_attention_flops * prefill + kv)
   return np.array(out)
 
@@ -164,8 +168,9 @@ def _thin(candidates: list[int], count: int) -> list[int]:
 def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
         weighting: str = "absolute", knee_tokens: int | None = None,
         tie_decode_attention: bool | None = None, caps: bool = True,
-        source: str = "") -> Fit:
-  """Rates for `model`'s shapes that best price `samples` (see the module docstring)."""
+        padded_work: bool = False, source: str = "") -> Fit:
+  """Rates for `model`'s shapes that best price `samples` (see the module docstring);
+  `padded_work`: the samples count padded shapes (`StepRates.padded_work`)."""
   if weighting not in WEIGHTINGS:
     raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
   samples = [s for s in samples if s.work.num_tokens > 0]
@@ -183,7 +188,7 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
   weights = np.ones(len(y)) if weighting == "absolute" else 1.0 / measured
   # Lower bounds on the inverse rates: the datasheet's peaks (1000x beyond without caps).
   slack = 1.0 if caps else 1e-3
-  lower = np.array([0.0, 0.0, slack / hardware.hbm_bandwidth, slack / hardware.hbm_bandwidth,
+  lower = np.array([0.0, 0.0, 0.0, slack / hardware.hbm_bandwidth, slack / hardware.hbm_bandwidth,
                     slack / hardware.peak_flops, 0.0, slack / hardware.peak_flops,
                     slack / hardware.hbm_bandwidth])
   def solve(thresholds: tuple[int, int]) -> tuple[float, np.ndarray]:
@@ -215,6 +220,7 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
   best = results[best_thresholds]
   _, solution = best
   rates, missing = _rates(solution, template, knee, tie, source)
+  rates = dataclasses.replace(rates, padded_work=padded_work)
   priced = model.with_rates(rates)
   predicted = np.array([priced.price(w).seconds for w in works])
   rms = float(np.sqrt(np.mean((predicted / measured - 1.0) ** 2)))
@@ -225,7 +231,7 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
 def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool,
            source: str) -> tuple[StepRates, tuple[str, ...]]:
   """Inverse rates (NaN: not identified) to `StepRates`, with fallbacks named."""
-  launch, per_seq, small_w, large_w, flops, extra, prefill, decode = solution
+  launch, prefill_launch, per_seq, small_w, large_w, flops, extra, prefill, decode = solution
   missing = []
 
   def rate(inverse: float, name: str, fallback: float) -> float:
@@ -243,6 +249,7 @@ def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool,
                                                       template.decode_attention_bandwidth)
   return StepRates(
       launch_s=0.0 if np.isnan(launch) else float(launch),
+      prefill_launch_s=0.0 if np.isnan(prefill_launch) else float(prefill_launch),
       per_sequence_s=0.0 if np.isnan(per_seq) else float(per_seq), knee_tokens=knee,
       small_flops=float(small_flops), small_bandwidth=float(small_bandwidth),
       large_flops=float(large_flops), large_bandwidth=float(large_bandwidth),

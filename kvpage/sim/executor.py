@@ -10,16 +10,26 @@ scheduler cannot tell it from a real model: this is how the 13B setup runs on a
 laptop, in seconds, with the very same policy code that serves real traffic.
 
 A multi-step decode launch is priced iteration by iteration, each a forward pass over
-the sequences still live, and pays the launch once.
+the sequences still live, and pays the launch once. With `buckets` (rates fit on a
+kvpage run's padded steps, `StepRates.padded_work`) each step is priced at the shape
+kvpage's engine would pad it to, as it was measured.
 
-Under the `Executor` contract a simulated step has no device to wait for: `submit`
-runs it (the clock advances then) and its ticket is the samples, which `collect`
-hands back; nothing compiles, so `warmup` does nothing and `num_compiles` is 0.
+The simulated device keeps its own timeline, as a GPU's stream does: `submit` queues
+a step behind the one in flight (it starts when the device is free, or now if idle)
+and returns at once with the time it will end; `collect` waits for it, advancing the
+clock to that end. So async scheduling (`Engine(async_scheduling=True)`, the
+default) overlaps as on a real device: a request that arrives while step k runs is
+scheduled into step k + 2, because step k + 1 was launched before step k's samples
+came back. The synchronous loop (`execute`) advances the clock by each step's cost,
+one after the other. Nothing compiles, so `warmup` does nothing and `num_compiles`
+is 0.
 """
 
-from typing import Any
+from collections.abc import Sequence
 
+from kvpage.batch import Buckets
 from kvpage.interface import Executor, Samples, SchedulerOutput
+from kvpage.sim import step_model
 from kvpage.sim.clock import PacedClock, VirtualClock
 from kvpage.sim.step_model import StepCost, StepModel
 
@@ -29,14 +39,35 @@ DUMMY_TOKEN = 1
 class SimExecutor(Executor):
   """The executor contract over a step-cost model and a virtual clock."""
 
-  def __init__(self, model: StepModel, clock: VirtualClock | PacedClock):
+  def __init__(self, model: StepModel, clock: VirtualClock | PacedClock,
+               buckets: Buckets | None = None):
     self.model = model
     self.clock = clock
+    self.buckets = buckets  # None: steps are priced unpadded
     self.costs: list[StepCost] = []
+    self._device_free_at = clock()  # when the last submitted step ends
 
   @property
   def num_compiles(self) -> int:
     return 0
+
+  def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
+    """The shape the step is priced at: padded to `buckets` when given."""
+    if self.buckets is None or not output.scheduled:
+      return super().step_shape(output)
+    return self.buckets.padded_shape(output.num_batched_tokens, len(output.scheduled))
+
+  def _price(self, sequences: Sequence[tuple[int, int]], num_swapped_pages: int = 0,
+             num_sampled: int | None = None, *, launch: bool = True) -> StepCost:
+    """One forward pass over `(new tokens, context)` per sequence, padded if bucketed."""
+    counts = step_model.step_counts(sequences, num_sampled)
+    if self.buckets is not None and counts["num_sequences"]:
+      counts = step_model.padded_counts(counts, *self.buckets.padded_shape(
+          counts["num_tokens"], counts["num_sequences"]))
+    cost = self.model.price(self.model.work_from_counts(
+        **counts, num_swapped_pages=num_swapped_pages), launch=launch)
+    self.costs.append(cost)
+    return cost
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
@@ -44,29 +75,33 @@ class SimExecutor(Executor):
     del max_num_seqs, max_num_batched_tokens, all_greedy, num_decode_steps  # Unused.
     return 0
 
-  def submit(self, output: SchedulerOutput) -> Samples:
-    """Prices the step and advances the clock by its duration; the ticket is its samples."""
+  def submit(self, output: SchedulerOutput) -> tuple[float, Samples]:
+    """Prices the step and queues it on the device's timeline, behind the step in
+    flight; the ticket is when it ends and its samples."""
     if output.num_steps > 1:
-      return self._run_multi_step(output)
-    sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
-                 for seq in output.scheduled]
-    cost = self.model.step_cost(sequences, len(output.swap_out) + len(output.swap_in),
-                                   num_sampled=sum(seq.samples for seq in output.scheduled))
-    self.costs.append(cost)
-    self.clock.advance(cost.seconds)
-    return {seq.request_id: DUMMY_TOKEN for seq in output.scheduled if seq.samples}
+      seconds, samples = self._price_multi_step(output)
+    else:
+      sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
+                   for seq in output.scheduled]
+      seconds = self._price(sequences, len(output.swap_out) + len(output.swap_in),
+                            num_sampled=sum(seq.samples for seq in output.scheduled)).seconds
+      samples = {seq.request_id: DUMMY_TOKEN for seq in output.scheduled if seq.samples}
+    self._device_free_at = max(self._device_free_at, self.clock()) + seconds
+    return self._device_free_at, samples
 
-  def _run_multi_step(self, output: SchedulerOutput) -> Samples:
+  def _price_multi_step(self, output: SchedulerOutput) -> tuple[float, Samples]:
     """A multi-step decode, priced iteration by iteration (each a forward pass), the
-    launch paid once."""
+    launch paid once; its seconds and samples."""
+    seconds = 0.0
     for i in range(max(seq.num_steps for seq in output.scheduled)):
       live = [seq for seq in output.scheduled if seq.num_steps > i]
-      cost = self.model.step_cost([(1, seq.start_position + 1 + i) for seq in live],
-                                  launch=i == 0)
-      self.costs.append(cost)
-      self.clock.advance(cost.seconds)
-    return {seq.request_id: [DUMMY_TOKEN] * seq.num_steps for seq in output.scheduled}
+      seconds += self._price([(1, seq.start_position + 1 + i) for seq in live],
+                             launch=i == 0).seconds
+    return seconds, {seq.request_id: [DUMMY_TOKEN] * seq.num_steps
+                     for seq in output.scheduled}
 
-  def collect(self, ticket: Any) -> Samples:
-    """The samples `submit` returned: the step already ran on the virtual clock."""
-    return ticket
+  def collect(self, ticket: tuple[float, Samples]) -> Samples:
+    """Waits for a submitted step: the clock advances to its end; returns its samples."""
+    ends_at, samples = ticket
+    self.clock.advance_to(ends_at)
+    return samples

@@ -42,16 +42,20 @@ def _first_event(request: Request, kind: str) -> float | None:
 MAX_FAILED_LISTED = 100
 
 
-def step_work(output: Any, last_step_time: tuple[int, float] | None) -> dict[str, Any]:
+def step_work(output: Any, last_step_time: tuple[int, float] | None,
+              shape: tuple[int, int] | None = None) -> dict[str, Any]:
   """A step's measured seconds (`step_s`: launch to samples back, None if unpriced) and
   the counts its cost depends on (`work`, `kvpage.sim.step_model.step_counts` per
-  iteration), for `experiments/calibrate.py`."""
+  iteration, with the `(tokens, sequences)` it was padded to when `shape` is given),
+  for `experiments/calibrate.py`."""
   scheduled = output.scheduled
   sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
                for seq in scheduled]
   work = step_model.step_counts(sequences, sum(seq.samples for seq in scheduled))
   work.update(iterations=max((seq.num_steps for seq in scheduled), default=1),
               swap_pages=len(output.swap_out) + len(output.swap_in))
+  if shape is not None:
+    work.update(padded_tokens=shape[0], padded_sequences=shape[1])
   seconds = (last_step_time[1] if last_step_time is not None
              and last_step_time[0] == output.step else None)
   return dict(step_s=seconds, work=work)
@@ -90,9 +94,11 @@ class MetricsRecorder:
   `finish` hands back its row, and no step rows: `on_step` returns each one instead.
   """
 
-  def __init__(self, scheduler: Any, clock: Callable[[], float], *, history: bool = True):
+  def __init__(self, scheduler: Any, clock: Callable[[], float], *, history: bool = True,
+               step_shape: Callable[[Any], tuple[int, int]] | None = None):
     self.scheduler = scheduler
     self.clock = clock
+    self.step_shape = step_shape  # the executor's: each step's padded shape, recorded
     self.history = history
     self.requests: list[Request] = []
     self.steps: list[dict[str, Any]] = []
@@ -126,7 +132,8 @@ class MetricsRecorder:
                generated_tokens=sum(map(len, new_tokens.values())),
                num_seqs=len(output.scheduled), swap_pages=len(output.swap_out) + len(
                    output.swap_in))
-    row.update(step_work(output, getattr(self.scheduler, "last_step_time", None)))
+    row.update(step_work(output, getattr(self.scheduler, "last_step_time", None),
+                         self.step_shape(output) if self.step_shape else None))
     for key in ("preemptions", "rejections"):
       row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
       self._last[key] = dict(stats[key])

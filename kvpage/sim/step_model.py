@@ -4,6 +4,7 @@ A step of `T` tokens over `B` sequences, on one device of a tensor-parallel grou
 `tp`, takes
 
     launch                                   per launch (kernel launches, host work)
+  + prefill_launch, if it carries prompt chunks    the costlier program of a mixed step
   + per_sequence x B                         scheduling, sampling, metadata per sequence
   + max(linear FLOPs / C_r, weight bytes / W_r)   the projections, MLP and LM head
   + prefill attention FLOPs / A_prefill      causal (query, key) pairs of prompt chunks
@@ -16,6 +17,17 @@ batch of decodes reads the weights at a different rate than a prefill). Each rat
 an effective one (what kernels reach, not the datasheet's peak), so a calibration
 (`kvpage.sim.calibration`) fits them to measured step times; `StepRates.template`
 derives uncalibrated ones from a datasheet and template efficiencies.
+
+A step that carries prompt chunks pays `prefill_launch` on top: engines run such
+steps through a costlier program than a decode-only one (vLLM replays a captured CUDA
+graph for decode batches and launches mixed batches eagerly; kvpage's mixed XLA
+program pads its prompt chunks to query blocks), a fixed cost no token count explains.
+
+Engines compute padded shapes (vLLM pads decode batches to CUDA-graph sizes; kvpage
+pads every batch to its bucket ladder, `kvpage.batch.Buckets`), so a step costs what
+its padded shape costs: rates fit on padded work (`padded_counts`, from a kvpage run's
+`steps.jsonl`) say so (`StepRates.padded_work`), and the simulator then pads its steps
+the same way before pricing them.
 
 Work per device: the decoder layers' and LM head's weights are split `tp` ways
 (Megatron: q/k/v/gate/up by output features, o/down by input features, the vocabulary
@@ -38,7 +50,7 @@ from kvpage import units
 from kvpage.sim import capacity
 from kvpage.sim.hardware import HardwareSpec
 
-PARTS = ("launch", "sequences", "linear", "prefill_attention", "decode_attention",
+PARTS = ("launch", "prefill_launch", "sequences", "linear", "prefill_attention", "decode_attention",
          "allreduce", "swap")
 
 
@@ -50,6 +62,9 @@ class StepRates:
   rest. The all-reduce's `allreduce_latency_s` and `link_bandwidth` (bytes/s each way
   per device) come from the interconnect; a calibration on one tensor-parallel degree
   cannot separate them from the other parts, so they are the hardware entry's.
+  `prefill_launch_s` is what a step carrying prompt chunks pays beyond `launch_s`
+  (0 unless calibrated; a file without it reads as 0). `padded_work`: the rates price
+  steps padded to the engine's buckets (`padded_counts`), as they were fit.
   """
 
   launch_s: float
@@ -64,11 +79,13 @@ class StepRates:
   allreduce_latency_s: float
   link_bandwidth: float
   source: str
+  prefill_launch_s: float = 0.0
+  padded_work: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name == "source":
+      if field.name in ("source", "padded_work"):
         continue
       minimum_ok = value >= 0 if field.name.endswith("_s") else value > 0
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -96,8 +113,10 @@ class StepRates:
 
   @classmethod
   def from_dict(cls, values: dict[str, Any], where: str = "step rates") -> "StepRates":
-    names = {field.name for field in dataclasses.fields(cls)}
-    unknown, missing = set(values) - names, names - set(values)
+    fields = dataclasses.fields(cls)
+    names = {field.name for field in fields}
+    required = {field.name for field in fields if field.default is dataclasses.MISSING}
+    unknown, missing = set(values) - names, required - set(values)
     if unknown or missing:
       raise ValueError(f"{where}: unknown keys {sorted(unknown)}, missing {sorted(missing)}"
                        if unknown else f"{where}: missing keys {sorted(missing)}")
@@ -125,6 +144,11 @@ class StepWork:
   allreduce_bytes: float  # each all-reduce's ring traffic per device
   num_allreduces: int
   swap_bytes: float = 0.0
+
+  @property
+  def has_prefill(self) -> bool:
+    """True when a prompt chunk (of more than one token) is in the step."""
+    return self.prefill_attention_flops > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,6 +228,7 @@ class StepModel:
     busy = work.num_tokens > 0 or work.swap_bytes > 0
     parts = dict(
         launch=r.launch_s if busy and launch else 0.0,
+        prefill_launch=r.prefill_launch_s if work.has_prefill and launch else 0.0,
         sequences=r.per_sequence_s * work.num_sequences,
         linear=max(compute, memory),
         prefill_attention=work.prefill_attention_flops / r.prefill_attention_flops,
@@ -218,6 +243,18 @@ class StepModel:
                 num_sampled: int | None = None, *, launch: bool = True) -> StepCost:
     """`work` then `price`: one step's cost."""
     return self.price(self.work(sequences, num_swapped_pages, num_sampled), launch=launch)
+
+
+def padded_counts(counts: dict[str, int], tokens: int, sequences: int) -> dict[str, int]:
+  """`step_counts` of a step as the engine computes it, padded to `tokens` x `sequences`
+  (`Executor.step_shape`). A decode-only batch's padding rows run every layer (one token
+  each, sampled, with no context to read); a mixed batch's padding tokens run the linear
+  layers and its padding rows the per-sequence work (kvpage pins a mixed batch's rows
+  to `max_num_seqs`, so with `prefill_launch` they are the mixed program's fixed cost)."""
+  if counts["num_tokens"] != counts["num_sequences"]:
+    return dict(counts, num_tokens=tokens, num_sequences=sequences)
+  return dict(counts, num_tokens=tokens, num_sequences=sequences,
+              num_sampled=counts["num_sampled"] + sequences - counts["num_sequences"])
 
 
 def step_counts(sequences: Sequence[tuple[int, int]],
