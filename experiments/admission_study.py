@@ -2,6 +2,8 @@ r"""The admission study: the free-page watermark and the output estimate, under 
 
   python -m experiments.admission_study                     # the study's figures
   python -m experiments.admission_study --scale=smoke       # seconds, for CI
+  python -m experiments.admission_study --sim_setup=yi_34b_a100_pcie_tp2 \
+      --workdir=workdir/admission_study_yi34b                # calibrated Yi-34B TP 2
 
 kvpage's thesis is that holding the KV-cache line at the door — admitting a request
 only if the pages its prompt and its expected output need leave `watermark` of the
@@ -9,9 +11,10 @@ pool free — protects the requests already running: fewer preemptions, less wor
 thrown away and recomputed, steadier latency, with the overload pushed back as
 429/503 plus a retry hint instead. The price is requests turned away that might
 have fit. This study measures both sides on Llama-2-13B fp16, simulated on an 80 GB
-A100: watermark 0 / 5 / 10 / 15 / 20 / 30% x output estimate (`max_tokens`: what the
-client asked for; `fixed`: 256 tokens; `running_mean` of finished outputs) at 1x, 3x
-and 10x the sustainable rate. Clients ask for `max_tokens` = 1,024 but use 32-512
+A100 (or another deployment of `experiments.sim_setups`, `--sim_setup`): watermark
+0 / 5 / 10 / 15 / 20 / 30% x output estimate (`max_tokens`: what the client asked for;
+`fixed`: 256 tokens; `running_mean` of finished outputs) at 1x, 3x and 10x the
+sustainable rate. Clients ask for `max_tokens` = 1,024 but use 32-512
 (as real clients do), so the estimates differ.
 
 The sustainable rate is measured first: the requests per second the engine finishes
@@ -30,17 +33,19 @@ from typing import Any
 import numpy as np
 from absl import flags
 
-from configs import llama_13b
-from experiments import cli, serve_bench, sweep
+from experiments import cli, serve_bench, sim_setups, sweep
+from experiments.sim_setups import SimSetup
 
 _SCALE = flags.DEFINE_enum("scale", "full", ["smoke", "full"], "How big: smoke = seconds.")
+_SIM_SETUP = flags.DEFINE_enum("sim_setup", sim_setups.DEFAULT, list(sim_setups.SETUPS),
+                               "The simulated deployment (experiments/sim_setups.py).")
 flags.FLAGS.set_default("workdir", "workdir/admission_study")
 
 WATERMARKS = (0.0, 0.05, 0.10, 0.15, 0.20, 0.30)
 ESTIMATES = ("max_tokens", "fixed", "running_mean")
 LOADS = (1, 3, 10)  # x the sustainable rate
 WORKLOAD = dict(prompt_len="lognormal:512:3000", output_len="uniform:32:512", max_tokens=1024)
-SLO = dict(slo_ttft=5.0, slo_tpot=0.05)
+SLO_TTFT_S = 5.0  # the goodput TPOT SLO is the setup's (`sim_setups`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,16 +60,17 @@ SCALES = {"full": Scale(num_requests=600, seeds=3),
           "smoke": Scale(num_requests=200, seeds=1, watermarks=(0.0, 0.15, 0.30))}
 
 
-def base(scale: Scale) -> tuple[Any, serve_bench.BenchSettings]:
-  settings = serve_bench.BenchSettings(executor="sim", hardware="a100_80gb",
-                                       num_requests=scale.num_requests, **WORKLOAD, **SLO)
-  return llama_13b.get_config(), settings
+def base(scale: Scale, setup: SimSetup) -> tuple[Any, serve_bench.BenchSettings]:
+  settings = serve_bench.BenchSettings(executor="sim", hardware=setup.hardware,
+                                       num_requests=scale.num_requests, **WORKLOAD,
+                                       slo_ttft=SLO_TTFT_S, slo_tpot=setup.goodput_tpot_slo_s)
+  return setup.get_config(), settings
 
 
-def sustainable_rate(scale: Scale) -> dict[str, Any]:
+def sustainable_rate(scale: Scale, setup: SimSetup) -> dict[str, Any]:
   """Requests/s finished with every request offered at once, admission at its most
   permissive (watermark 0, `fixed` estimate): the service rate."""
-  config, settings = base(scale)
+  config, settings = base(scale, setup)
   config.scheduler.watermark = 0.0
   config.scheduler.output_estimate = "fixed"
   summary, _ = serve_bench.run_bench(
@@ -74,8 +80,9 @@ def sustainable_rate(scale: Scale) -> dict[str, Any]:
               duration_s=summary["duration_s"], num_rejected=summary["num_rejected"])
 
 
-def cells(scale: Scale, rate: float) -> tuple[Any, serve_bench.BenchSettings, list[sweep.Cell]]:
-  config, settings = base(scale)
+def cells(scale: Scale, rate: float,
+          setup: SimSetup) -> tuple[Any, serve_bench.BenchSettings, list[sweep.Cell]]:
+  config, settings = base(scale, setup)
   grid = [{"scheduler.watermark": watermark, "scheduler.output_estimate": estimate,
            "arrival_rate": f"{load * rate:.4g}"}
           for load in LOADS for estimate in scale.estimates for watermark in scale.watermarks]
@@ -161,15 +168,17 @@ def claims(means: dict[str, Any]) -> list[dict[str, Any]]:
   return stated
 
 
-def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True) -> dict[str, Any]:
-  """The study into `directory` (resumable); the record written to study.json."""
-  calibration = sustainable_rate(scale)
+def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
+        setup: SimSetup = sim_setups.SETUPS[sim_setups.DEFAULT]) -> dict[str, Any]:
+  """The study into `directory` (resumable) on `setup`; the record written to study.json."""
+  calibration = sustainable_rate(scale, setup)
   rate = calibration["requests_per_s"]
-  config, settings, grid = cells(scale, rate)
+  config, settings, grid = cells(scale, rate, setup)
   rows = sweep.run_sweep(config, settings, grid, directory / "runs", show_progress=show_progress)
   means = analyze(rows, rate)
-  return dict(scale=dataclasses.asdict(scale), sustainable=calibration, loads=list(LOADS),
-              means=means, claims=claims(means), premises=rows[0]["premises"], rows=rows)
+  return dict(scale=dataclasses.asdict(scale), setup=setup.name, sustainable=calibration,
+              loads=list(LOADS), means=means, claims=claims(means),
+              premises=rows[0]["premises"], rows=rows)
 
 
 def curves(record: dict[str, Any]):
@@ -183,7 +192,8 @@ def curves(record: dict[str, Any]):
                            "seed": row["cell"]["seed"]}) for row in record["rows"]]
   return plots.sweep_curves(named, x="watermark", lines=("load", "estimate"),
                             swept=("watermark", "output_estimate", "arrival_rate", "seed"),
-                            title="admission study: watermark x output estimate x load",
+                            title=f"admission study on {record['setup']}: watermark x "
+                            "output estimate x load",
                             metrics=("rejected_503", "rejected_429", "num_preemptions",
                                      "recomputed_tokens", "goodput_requests_per_s",
                                      "ttft_p99_s", "tpot_p99_s", "max_kv_usage"))
@@ -208,7 +218,7 @@ def main(argv: list[str]) -> None:
   from experiments import plots  # fails now, not after the runs, without matplotlib
 
   with cli.workdir(flags.FLAGS.workdir) as directory:
-    record = run(SCALES[_SCALE.value], directory)
+    record = run(SCALES[_SCALE.value], directory, setup=sim_setups.SETUPS[_SIM_SETUP.value])
     plots.save(curves(record), directory / "curves.png")
     record.pop("rows")
     cli.write_files(directory, {"study.json": json.dumps(record, indent=2)})

@@ -171,11 +171,11 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
                         max_model_len=model_config.max_seq_len, num_host_pages=num_host_pages,
                         clock=clock, vocab_size=model_config.vocab_size)
-  # The simulated device overlaps with the host as a real one does (`SimExecutor`), so
-  # async scheduling delays a new request by the same step it costs on a real run.
   buckets = batch_lib.Buckets.for_server(
       max_model_len=model_config.max_seq_len, page_size=page_size,
       max_num_seqs=scheduler_config.max_num_seqs) if rates.padded_work else None
+  # The simulated device overlaps with the host as a real one does (`SimExecutor`), so
+  # async scheduling delays a new request by the same step it costs on a real run.
   return Engine(scheduler, SimExecutor(model, clock, buckets),
                 async_scheduling=scheduler_config.async_scheduling)
 

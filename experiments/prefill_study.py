@@ -2,6 +2,8 @@ r"""The chunked-prefill study: prefill-first against chunked prefill, at four ch
 
   python -m experiments.prefill_study                       # the study's figures
   python -m experiments.prefill_study --scale=smoke         # a minute, for CI
+  python -m experiments.prefill_study --parts=sim --sim_setup=yi_34b_a100_pcie_tp2 \
+      --workdir=workdir/prefill_study_yi34b                  # Sarathi-Serve's setup
 
 Sarathi-Serve (Agrawal et al., OSDI'24) reports that chunking prefills — decodes
 first, prompt chunks filling the rest of each step's token budget — removes the
@@ -9,7 +11,9 @@ generation stalls a whole-prompt prefill causes, cutting tail time-between-token
 a TTFT cost that grows as chunks shrink, and so raises the load a server sustains
 under a strict latency SLO. This study runs that comparison on kvpage:
 
-  * **simulated**: Llama-2-13B fp16 on an 80 GB A100 (template step rates), `none` (prefill-first)
+  * **simulated**: Llama-2-13B fp16 on an 80 GB A100 (template step rates), or with
+    `--sim_setup` another deployment of `experiments.sim_setups` (Yi-34B TP 2 on A100
+    PCIe, calibrated on Sarathi-Serve's profiles), `none` (prefill-first)
     and `chunked` at chunk sizes 256 / 512 / 1,024 / 2,048, under two token budgets,
     on a long/short prompt mix that provokes stalls, at arrival rates up to past
     saturation, several seeds;
@@ -37,11 +41,14 @@ import ml_collections
 import numpy as np
 from absl import flags
 
-from configs import llama_13b, tiny
-from experiments import cli, serve_bench, sweep
+from configs import tiny
+from experiments import cli, serve_bench, sim_setups, sweep
+from experiments.sim_setups import SimSetup
 
 _SCALE = flags.DEFINE_enum("scale", "full", ["smoke", "full"], "How big: smoke = a minute.")
 _PARTS = flags.DEFINE_list("parts", ["sim", "tiny", "quality"], "Which parts to run.")
+_SIM_SETUP = flags.DEFINE_enum("sim_setup", sim_setups.DEFAULT, list(sim_setups.SETUPS),
+                               "The simulated deployment (experiments/sim_setups.py).")
 flags.FLAGS.set_default("workdir", "workdir/prefill_study")
 
 
@@ -84,9 +91,8 @@ SIM_CHUNKS = (256, 512, 1024, 2048)
 # enough that a stall lands inside many running requests' streams.
 SIM_WORKLOAD = dict(prompt_len="mix:0.2:3000:200", output_len="uniform:64:256")
 TINY_OUTPUT_LEN = "uniform:16:48"  # prompts: one in five long (`Scale.tiny_long_prompt`)
-TPOT_SLO_S = 0.035  # strict: under 2x an unloaded 13B decode step on the A100 (18.5 ms)
-ITL_SLO_S = 0.1  # Sarathi's P99 time-between-tokens style bound
-TINY_TPOT_SLO_S = 0.05
+TINY_TPOT_SLO_S = 0.05  # the simulated setups' SLOs are theirs (`sim_setups`)
+TINY_ITL_SLO_S = 0.1
 
 
 def policies(chunks: Sequence[int], budgets: Sequence[int]) -> list[dict[str, Any]]:
@@ -107,12 +113,12 @@ def policy_name(cell: dict[str, Any]) -> str:
   return f"{name} / budget {cell['scheduler.max_num_batched_tokens']}"
 
 
-def sim_cells(scale: Scale) -> tuple[ml_collections.ConfigDict, serve_bench.BenchSettings,
-                                     list[sweep.Cell]]:
-  config = llama_13b.get_config()
-  settings = serve_bench.BenchSettings(executor="sim", hardware="a100_80gb",
+def sim_cells(scale: Scale, setup: SimSetup) -> tuple[
+    ml_collections.ConfigDict, serve_bench.BenchSettings, list[sweep.Cell]]:
+  config = setup.get_config()
+  settings = serve_bench.BenchSettings(executor="sim", hardware=setup.hardware,
                                        num_requests=scale.sim_requests, **SIM_WORKLOAD)
-  grid = [policy | {"arrival_rate": str(rate)}
+  grid = [policy | {"arrival_rate": f"{rate * setup.rate_scale:g}"}
           for policy in policies(SIM_CHUNKS, scale.sim_budgets) for rate in scale.sim_rates]
   return config, settings, sweep.plan_cells(config, settings, grid, range(scale.sim_seeds))
 
@@ -259,23 +265,24 @@ def quality(*, prompt_len: int, num_tokens: int, chunks: Sequence[int] = (16, 64
 
 
 def run(scale: Scale, directory: pathlib.Path, parts: Sequence[str] = ("sim", "tiny", "quality"),
-        *, show_progress: bool = True) -> dict[str, Any]:
-  """Runs the study's `parts` into `directory` (resumable: done runs are kept); returns
-  the record written to study.json."""
+        *, show_progress: bool = True,
+        setup: SimSetup = sim_setups.SETUPS[sim_setups.DEFAULT]) -> dict[str, Any]:
+  """Runs the study's `parts` into `directory` (resumable: done runs are kept), the
+  simulated part on `setup`; returns the record written to study.json."""
   record: dict[str, Any] = dict(scale=dataclasses.asdict(scale))
   if "sim" in parts:
-    config, settings, cells = sim_cells(scale)
+    config, settings, cells = sim_cells(scale, setup)
     rows = sweep.run_sweep(config, settings, cells, directory / "sim",
                            show_progress=show_progress)
-    analysis = analyze(rows, TPOT_SLO_S, ITL_SLO_S)
-    record["sim"] = dict(analysis=analysis, premises=rows[0]["premises"],
+    analysis = analyze(rows, setup.tpot_slo_s, setup.itl_slo_s)
+    record["sim"] = dict(analysis=analysis, premises=rows[0]["premises"], setup=setup.name,
                          claims={str(b): claims(analysis, b) for b in scale.sim_budgets})
     record["sim_rows"] = rows
   if "tiny" in parts:
     config, settings, cells = tiny_cells(scale)
     rows = sweep.run_sweep(config, settings, cells, directory / "tiny",
                            show_progress=show_progress)
-    analysis = analyze(rows, TINY_TPOT_SLO_S, ITL_SLO_S)
+    analysis = analyze(rows, TINY_TPOT_SLO_S, TINY_ITL_SLO_S)
     budget = cells[0].values["scheduler.max_num_batched_tokens"]
     record["tiny"] = dict(analysis=analysis, premises=rows[0]["premises"],
                           claims={str(budget): claims(analysis, budget)})
@@ -336,10 +343,13 @@ def main(argv: list[str]) -> None:
 
   with cli.workdir(flags.FLAGS.workdir) as directory:
     cli.enable_compilation_cache(flags.FLAGS.compilation_cache)
-    record = run(SCALES[_SCALE.value], directory, _PARTS.value)
+    record = run(SCALES[_SCALE.value], directory, _PARTS.value,
+                 setup=sim_setups.SETUPS[_SIM_SETUP.value])
+    titles = dict(sim=f"chunked prefill study: sim, {_SIM_SETUP.value}", tiny="chunked "
+                  "prefill study: tiny")
     for part in ("sim", "tiny"):
       if part in record:
-        plots.save(curves(record.pop(f"{part}_rows"), f"chunked prefill study: {part}"),
+        plots.save(curves(record.pop(f"{part}_rows"), titles[part]),
                    directory / f"{part}_curves.png")
     cli.write_files(directory, {"study.json": json.dumps(record, indent=2)})
   print(format_report(record))

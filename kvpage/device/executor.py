@@ -73,7 +73,7 @@ class JaxExecutor(Executor):
   def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
     """The batch's padded `(tokens, sequences)` (`Buckets.padded_shape`)."""
     if not output.scheduled:
-      return 0, 0
+      return super().step_shape(output)
     return self.buckets.padded_shape(output.num_batched_tokens, len(output.scheduled))
 
   def submit(self, output: SchedulerOutput) -> Ticket:

@@ -4,10 +4,10 @@
 `StepRates` whose `StepModel` prices them best:
 
   * Every part is linear in the inverse of its rate (seconds per FLOP, per byte, per
-    sequence, per launch), except the linear layers' `max(FLOPs / C, bytes / W)`. For that the fit
-    enumerates which steps are compute-bound: per regime (small, large), the steps
-    below a token threshold read weights (memory-bound) and the rest compute, for
-    every threshold between the steps' token counts (a coarse grid, then refined);
+    sequence, per launch), except the linear layers' `max(FLOPs / C, bytes / W)`. For
+    that the fit enumerates which steps are compute-bound: per regime (small, large),
+    the steps below a token threshold read weights (memory-bound) and the rest compute,
+    for every threshold between the steps' token counts (a coarse grid, then refined);
     each assignment is one bounded least-squares solve (`scipy.optimize.lsq_linear`),
     and the assignment whose *true* prediction (with the max) fits best wins.
   * Rates cannot beat the datasheet: each inverse rate is bounded below by one over
@@ -81,7 +81,7 @@ class Fit:
     r = self.rates
     lines = [
         f"launch {1e3 * r.launch_s:.3f} ms (+ {1e3 * r.prefill_launch_s:.3f} ms with prompt "
-    f"chunks), per sequence {1e3 * r.per_sequence_s:.4f} ms",
+        f"chunks), per sequence {1e3 * r.per_sequence_s:.4f} ms",
         f"linear, steps < {r.knee_tokens} tokens: {r.small_flops / 1e12:.3g} TFLOP/s, "
         f"weights at {r.small_bandwidth / 1e9:.4g} GB/s",
         f"linear, steps >= {r.knee_tokens} tokens: {r.large_flops / 1e12:.3g} TFLOP/s, "
