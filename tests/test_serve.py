@@ -340,13 +340,20 @@ async def _watch(server, include_status: bool) -> dict:
 
 
 async def _queue_behind_a_full_batch(server) -> list[dict]:
-  # Four streams fill every running slot (--max_num_seqs=4) for 300 steps (seconds on
-  # a CPU); the two watchers admitted behind them wait, told so every 0.1 s.
+  # Four streams fill every running slot (--max_num_seqs=4) for 300 steps; the watchers
+  # arrive once all four have their first token, so they wait behind the other 299
+  # steps (0.3 s or more, however fast the CPU), told so every 0.1 s.
+  running = [asyncio.Event() for _ in range(4)]
+
   async def occupy(index: int) -> None:
-    body = {"prompt": [1, 2, index], "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-    async with httpx.AsyncClient(timeout=120) as client:
-      response = await client.post(f"{server.url}/v1/completions", json=body)
-      assert response.status_code == 200, response.text
+    body = {"prompt": [1, 2, index], "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    async with httpx.AsyncClient(timeout=120) as client, client.stream(
+        "POST", f"{server.url}/v1/completions", json=body) as response:
+      assert response.status_code == 200, await response.aread()
+      async for line in response.aiter_lines():
+        if line.startswith("data: {"):
+          running[index].set()
 
   async def hurry(deadline: str, stream: bool) -> tuple[int, dict, str]:
     """A request that may wait only `deadline` seconds (the header form)."""
@@ -357,7 +364,7 @@ async def _queue_behind_a_full_batch(server) -> list[dict]:
       return response.status_code, dict(response.headers), response.text
 
   occupants = [asyncio.ensure_future(occupy(i)) for i in range(4)]
-  await asyncio.sleep(0.3)
+  await asyncio.wait_for(asyncio.gather(*(event.wait() for event in running)), timeout=60)
   watchers = await asyncio.gather(_watch(server, False), _watch(server, True),
                                   hurry("0.05", False), hurry("0.05", True))
   await asyncio.gather(*occupants)
@@ -392,22 +399,26 @@ def test_sigterm_drains_then_exits_zero(tiny_server):
   hears 503 `draining`. (The module's last test: the server is gone after it.)"""
   server = tiny_server
   ends: dict[str, list] = {}
+  started = {"long": threading.Event(), "short": threading.Event()}
 
   def stream(name: str, max_tokens: int) -> None:
     body = {"prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
             "temperature": 0}  # greedy: the steps warm-up compiled
+    ends[name] = []
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body,
                       timeout=60) as response:
-      ends[name] = [json.loads(line[6:])["choices"][0]["finish_reason"]
-                    for line in response.iter_lines()
-                    if line.startswith("data: {") and '"choices":[{' in line]
+      for line in response.iter_lines():
+        if line.startswith("data: {") and '"choices":[{' in line:
+          ends[name].append(json.loads(line[6:])["choices"][0]["finish_reason"])
+          started[name].set()
 
-  # 1,000 tokens take seconds on a CPU (~10 ms a step); 20 take a fraction of one.
-  threads = [threading.Thread(target=stream, args=("long", 1000)),
+  # 2,000 tokens take seconds at any CPU's pace (a millisecond a step at the fastest),
+  # past the one-second drain; 20 take a fraction of it. SIGTERM once both run.
+  threads = [threading.Thread(target=stream, args=("long", 2000)),
              threading.Thread(target=stream, args=("short", 20))]
   for thread in threads:
     thread.start()
-  time.sleep(0.5)
+  assert all(event.wait(60) for event in started.values())
   server.process.send_signal(signal.SIGTERM)
   time.sleep(0.3)
   refused = _post(server, {"prompt": [1, 2], "max_tokens": 2})
@@ -420,7 +431,7 @@ def test_sigterm_drains_then_exits_zero(tiny_server):
     thread.join(60)
   assert server.process.wait(60) == 0, "".join(server.stderr)
   assert ends["short"][-1] == "length"
-  assert ends["long"][-1] == "abort" and len(ends["long"]) < 1000
+  assert ends["long"][-1] == "abort" and len(ends["long"]) < 2000
 
 
 def test_a_simulated_gpu_serves_in_real_time(cache_dir):
