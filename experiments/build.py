@@ -138,6 +138,8 @@ def step_rates(hardware: HardwareSpec, calibration_file: str = "") -> tuple[Step
     return StepRates.template(hardware), f"template rates of {hardware.name}"
   record = calibration.load(path)
   fitted = record.get("premises", {})
+  if not calibration_file:  # the shipped file, named as in the repository, not this machine
+    path = f"configs/calibrations/{hardware.calibration}"
   return (StepRates.from_dict(record["rates"]),
           f"calibration {path} (fit on {fitted.get('model', '?')}, tensor parallel "
           f"{fitted.get('tensor_parallel', '?')}, {fitted.get('hardware', '?')})")
