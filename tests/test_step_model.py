@@ -13,7 +13,7 @@ import pytest
 from configs import hardware as hardware_lib
 from configs import llama_13b, yi_34b
 from experiments import build
-from kvpage.sim import calibration, capacity
+from kvpage.sim import calibration, capacity, step_model
 from kvpage.sim.step_model import StepModel, StepRates
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -192,6 +192,16 @@ def test_a_simulated_runs_steps_calibrate_back_to_its_rates(tmp_path):
   assert rates["large_flops"] == pytest.approx(template.large_flops, rel=1e-3)
   assert rates["small_bandwidth"] == pytest.approx(template.small_bandwidth, rel=1e-3)
   assert rates["launch_s"] == pytest.approx(template.launch_s, rel=1e-2)
+
+
+def test_padded_counts_pad_rows_and_tokens_as_the_engine_runs_them():
+  decode = step_model.step_counts([(1, 100)] * 3)
+  assert step_model.padded_counts(decode, 4, 4) == dict(decode, num_tokens=4, num_sequences=4,
+                                                        num_sampled=4)
+  mixed = step_model.step_counts([(40, 40), (1, 100)])
+  assert step_model.padded_counts(mixed, 64, 64) == dict(mixed, num_tokens=64, num_sequences=64)
+  with pytest.raises(ValueError, match="padded_work must be true or false"):
+    StepRates.from_dict(dict(KNOWN.to_dict(), padded_work="yes"))
 
 
 def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path):

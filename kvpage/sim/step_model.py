@@ -85,6 +85,8 @@ class StepRates:
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
+      if field.name == "padded_work" and not isinstance(value, bool):
+        raise ValueError(f"step rates: padded_work must be true or false, got {value!r}")
       if field.name in ("source", "padded_work"):
         continue
       minimum_ok = value >= 0 if field.name.endswith("_s") else value > 0
@@ -251,10 +253,10 @@ def padded_counts(counts: dict[str, int], tokens: int, sequences: int) -> dict[s
   each, sampled, with no context to read); a mixed batch's padding tokens run the linear
   layers and its padding rows the per-sequence work (kvpage pins a mixed batch's rows
   to `max_num_seqs`, so with `prefill_launch` they are the mixed program's fixed cost)."""
-  if counts["num_tokens"] != counts["num_sequences"]:
-    return dict(counts, num_tokens=tokens, num_sequences=sequences)
-  return dict(counts, num_tokens=tokens, num_sequences=sequences,
-              num_sampled=counts["num_sampled"] + sequences - counts["num_sequences"])
+  padded = dict(counts, num_tokens=tokens, num_sequences=sequences)
+  if counts["num_tokens"] == counts["num_sequences"]:  # decode-only: padding rows sample too
+    padded["num_sampled"] += sequences - counts["num_sequences"]
+  return padded
 
 
 def step_counts(sequences: Sequence[tuple[int, int]],
