@@ -76,8 +76,10 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput,
   assert out.num_batched_tokens <= config.max_num_batched_tokens
   assert len(out.scheduled) <= config.max_num_seqs
   assert len({s.request_id for s in out.scheduled}) == len(out.scheduled)
+  # Keyed by the request, not its id: the step in flight may hold an earlier request
+  # whose id a new one reuses (it stopped or was aborted meanwhile).
   pending_before = {} if in_flight is None else {
-      s.request_id: s.samples * s.num_steps for s in in_flight.scheduled}
+      s.request: s.samples * s.num_steps for s in in_flight.scheduled}
   for seq in out.scheduled:
     request = seq.request
     # The last position the step computes: a multi-step decode adds an iteration each.
@@ -87,7 +89,7 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput,
     # A sampling step's tokens are pending until update(): counted in num_tokens.
     assert (last == request.num_tokens - 1) if seq.samples else (last < request.num_tokens)
     assert request.num_pending == (seq.samples * seq.num_steps
-                                   + pending_before.get(seq.request_id, 0))
+                                   + pending_before.get(request, 0))
     assert request.num_sampled <= request.sampling.max_tokens  # no token past the end
     if config.prefill_policy == "none" and seq.is_prefill:
       assert seq.start_position == 0 and seq.samples  # whole prompts only
@@ -347,6 +349,16 @@ def test_heavy_traffic_keeps_every_invariant(policy, mode, loop, data, seed):
   event(f"preempted: {bool(scheduler.stats()['num_preemptions'])}")
   event(f"multi-step launches: {bool(executor.num_multi_step_launches)}")
   event(f"tokens fed from the device: {bool(executor.num_fed_from_device)}")
+
+
+def test_an_id_reused_while_its_earlier_request_is_in_flight():
+  """Found by the test above (seed 311, one running slot, async): request r13-19 stops
+  while its next step is in flight, and a new request reusing the id is scheduled in
+  the step after; its pending count is its own, not the earlier request's."""
+  knobs = iter([1, 64, 0, 1, 0.0, "running_mean", 1, 1, 24, 0])
+  scheduler = make_scheduler(lambda strategy: next(knobs), "none", "swap", (True, 1))
+  run_traffic(scheduler, heavy_plan(311), 311)
+  assert scheduler.page_pool.num_free_pages == scheduler.page_pool.num_usable_pages
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
