@@ -21,6 +21,7 @@ import ml_collections
 import configs
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
+from kvpage.device import multihost, sharding
 from kvpage.device import step as step_lib
 from kvpage.device.executor import JaxExecutor
 from kvpage.host.engine import Engine
@@ -65,24 +66,29 @@ def device_memory() -> tuple[int | None, str]:
 
 def check_memory(model_config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
                  kv_dtype: str | None = None, num_host_pages: int = 0,
-                 weights_loaded: bool = False,
+                 weights_loaded: bool = False, tensor_parallel: int = 1,
                  hint: str = "lower --num_pages or --page_size") -> None:
   """Raises a one-line `ValueError` if the weights and the KV pool cannot fit, up front.
 
   Asking XLA for more than there is fails deep inside an allocation, or gets the
   process killed; the sizes are known before anything is allocated, so say them.
   `weights_loaded`: the weights already sit on the device (a loaded checkpoint).
+  Under `tensor_parallel` the figures are one device's: its KV heads' slice of the
+  pool and its share of the weights; the host swap pool holds whole pages.
   """
-  kv = paged_cache.pool_bytes(model_config, num_pages=num_pages, page_size=page_size,
-                              dtype=kv_dtype)
-  weights = 0 if weights_loaded else capacity.weight_bytes(
-      capacity.ModelShape.from_config(model_config), model_config.dtype)
+  whole = paged_cache.pool_bytes(model_config, num_pages=num_pages, page_size=page_size,
+                                 dtype=kv_dtype)
+  model = capacity.ModelShape.from_config(model_config)
+  kv = whole // model.num_kv_heads * capacity.kv_heads_per_device(model, tensor_parallel)
+  weights = 0 if weights_loaded else cdiv(capacity.weight_bytes(model, model_config.dtype),
+                                          tensor_parallel)
   available, what = device_memory()
   if available is not None and weights + kv > available:
+    one = " on one of its devices" if tensor_parallel > 1 else ""
     raise ValueError(f"a KV pool of {num_pages:,} pages x {page_size:,} tokens needs "
-                     f"{_gib(kv)} and the weights {_gib(weights)}, but the {what} is "
+                     f"{_gib(kv)} and the weights {_gib(weights)}{one}, but the {what} is "
                      f"{_gib(available)}; {hint}")
-  host = kv // max(num_pages, 1) * num_host_pages
+  host = whole // max(num_pages, 1) * num_host_pages
   host_available = premises.available_memory_bytes()
   if num_host_pages and host_available is not None and host > host_available:
     raise ValueError(f"a host swap pool of {num_host_pages:,} pages needs {_gib(host)}, but "
@@ -105,28 +111,63 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                  page_size: int, num_host_pages: int = 0, kv_dtype: str | None = None,
                  clock: Callable[[], float] | None = None,
                  on_step: Callable[..., None] | None = None,
+                 tensor_parallel: int = 1,
                  memory_hint: str = "lower --num_pages or --page_size") -> Engine:
   """An engine serving a Llama model through a paged cache of `num_pages` pages.
 
-  `kv_dtype` (default: the model's) is the cache's storage precision.
+  `kv_dtype` (default: the model's) is the cache's storage precision. With
+  `tensor_parallel` > 1 the step runs on that many devices (`mesh`): weights, KV heads
+  and the pool split over them, one scheduler on the host as before.
   """
   model_config = ml_collections.FrozenConfigDict(model_config)
+  tp = mesh(model_config, tensor_parallel)
   check_memory(model_config, num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-               num_host_pages=num_host_pages, weights_loaded=True, hint=memory_hint)
+               num_host_pages=num_host_pages, weights_loaded=True,
+               tensor_parallel=tensor_parallel, hint=memory_hint)
   max_len = max_model_len(model_config, num_pages=num_pages, page_size=page_size)
   cache = paged_cache.init(model_config, num_pages=num_pages, page_size=page_size,
-                           dtype=kv_dtype)
-  forward = functools.partial(llama.forward, config=model_config)
+                           dtype=kv_dtype, sharding=None if tp is None else tp.cache)
+  forward = functools.partial(llama.forward, config=model_config, tensor_parallel=tp)
   buckets = batch_lib.Buckets.for_server(max_model_len=max_len,
                                          page_size=page_size,
                                          max_num_seqs=scheduler_config.max_num_seqs)
-  executor = JaxExecutor(forward, params, cache, num_host_pages=num_host_pages, buckets=buckets)
+  executor = JaxExecutor(forward, params, cache, num_host_pages=num_host_pages, buckets=buckets,
+                         tensor_parallel=tp, param_axes=llama.param_axes)
+  if jax.process_count() > 1 and multihost.is_leader():
+    executor = multihost.Leader(executor)  # every process steps; process 0 schedules
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
                         max_model_len=max_len,
                         num_host_pages=num_host_pages, clock=clock or WallClock(),
                         vocab_size=model_config.vocab_size)
   return Engine(scheduler, executor, on_step=on_step,
                 async_scheduling=scheduler_config.async_scheduling)
+
+
+def mesh(model_config: ml_collections.ConfigDict,
+         tensor_parallel: int) -> sharding.TensorParallel | None:
+  """The device mesh a real step runs on: `None` on one device, else the first
+  `tensor_parallel` of `jax.devices()` (every process's, in a multi-process run)."""
+  if tensor_parallel == 1:
+    return None
+  capacity.check_tensor_parallel(capacity.ModelShape.from_config(model_config),
+                                 tensor_parallel)
+  return sharding.make(tensor_parallel, model_config.num_kv_heads)
+
+
+def follow(engine: Engine) -> bool:
+  """In a multi-process run, on a process other than 0: replays process 0's steps on
+  this process's devices until it stops, then returns True (the caller has nothing
+  else to do). Elsewhere: False, at once."""
+  if jax.process_count() == 1 or multihost.is_leader():
+    return False
+  multihost.follow(engine.executor)
+  return True
+
+
+def stop_followers(engine: Engine) -> None:
+  """Process 0 of a multi-process run: lets the other processes' `follow` return."""
+  if isinstance(engine.executor, multihost.Leader):
+    engine.executor.stop()
 
 
 def step_rates(hardware: HardwareSpec, calibration_file: str = "") -> tuple[StepRates, str]:
@@ -247,7 +288,9 @@ def real_memory_plan(config: ml_collections.ConfigDict,
                      params: Any = None) -> MemoryPlan:
   """The memory plan of a real run, before its pool is allocated: the device's memory
   from JAX, the weights' own bytes (`params`, or the shapes random weights would have),
-  and the temporaries XLA assigns the compiled `largest_steps` (nothing runs)."""
+  and the temporaries XLA assigns the compiled `largest_steps` (nothing runs). Under
+  `mesh.tensor_parallel` every figure is one device's: its shards of the weights, its
+  KV heads' slice of a page, its program's temporaries."""
   check_runnable(config, model_config)
   device_bytes, device_source = device_memory_limit()
   if device_bytes is None:
@@ -255,19 +298,27 @@ def real_memory_plan(config: ml_collections.ConfigDict,
                      "cache.kv_memory_gib or --num_pages")
   model_config = ml_collections.FrozenConfigDict(model_config)
   cache = config.cache
+  tensor_parallel = config.mesh.tensor_parallel
   key = repr((model_config.to_dict(), cache.page_size, cache.kv_dtype,
               config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-              params is None))
+              params is None, tensor_parallel))
   if key not in _MEASURED:
     if params is None:
       params = jax.eval_shape(functools.partial(llama.random_init, model_config, config.seed))
       weight_source = "the random weights' shapes"
     else:
       weight_source = "the loaded weights"
-    weights = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(params))
+    tp = mesh(model_config, tensor_parallel)
     probe = jax.eval_shape(functools.partial(paged_cache.init, model_config, num_pages=2,
                                              page_size=cache.page_size, dtype=cache.kv_dtype))
-    step = step_lib.Step(functools.partial(llama.forward, config=model_config))
+    if tp is not None:  # shapes laid out as the real run lays out its arrays
+      params = jax.tree.map(_laid_out, params,
+                            sharding.param_shardings(params, llama.param_axes, tp))
+      probe = jax.tree.map(lambda leaf: _laid_out(leaf, tp.cache), probe)
+      weight_source += f", one device's shards of {tensor_parallel}"
+    weights = sum(_device_nbytes(leaf) for leaf in jax.tree.leaves(params))
+    step = step_lib.Step(functools.partial(llama.forward, config=model_config,
+                                           tensor_parallel=tp), tensor_parallel=tp)
     shapes = largest_steps(config)
     width = cdiv(model_config.max_seq_len, cache.page_size)
     activations = max(step.temp_bytes(
@@ -280,25 +331,42 @@ def real_memory_plan(config: ml_collections.ConfigDict,
       device_bytes=device_bytes, device_source=device_source,
       utilization=_utilization(config), weight_bytes=weights, weight_source=weight_source,
       activation_bytes=activations, activation_source=activation_source,
-      page_bytes=paged_cache.pool_bytes(model_config, num_pages=1, page_size=cache.page_size,
-                                        dtype=cache.kv_dtype),
+      page_bytes=capacity.kv_bytes_per_token(capacity.ModelShape.from_config(model_config),
+                                             cache.kv_dtype, tensor_parallel) * cache.page_size,
       page_size=cache.page_size)
+
+
+def _laid_out(leaf: Any, sharding_: Any) -> jax.ShapeDtypeStruct:
+  """`leaf`'s shape carrying the sharding a real run gives it."""
+  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding_)
+
+
+def _device_nbytes(leaf: Any) -> int:
+  """Bytes one device holds of `leaf` (all of it, unless it carries a sharding)."""
+  sharding_ = getattr(leaf, "sharding", None)
+  shape = leaf.shape if sharding_ is None else sharding_.shard_shape(leaf.shape)
+  return math.prod(shape) * leaf.dtype.itemsize
 
 
 def check_runnable(config: ml_collections.ConfigDict,
                    model: ml_collections.ConfigDict | None = None) -> None:
   """Raises ValueError unless the JAX model can run `config` (its `model` section, or
-  `model`, a checkpoint's) on this host: a Llama (RoPE, SwiGLU) on one device (sharding
-  is the parallelism issue's)."""
+  `model`, a checkpoint's) here: a Llama (RoPE, SwiGLU) whose shapes split over
+  `mesh.tensor_parallel` devices, and that many devices."""
   model = config.model if model is None else model
   if model.get("positions", "rope") != "rope" or model.get("ffn_matrices", 3) != 3:
     raise ValueError(f"{model.get('name', 'the model')} is a shape for the simulator and the "
                      "capacity model only (learned positions, a plain MLP): the JAX model is "
                      "Llama's; run it with --executor=sim")
   tensor_parallel = config.get("mesh", {}).get("tensor_parallel", 1)
-  if tensor_parallel != 1:
-    raise ValueError(f"mesh.tensor_parallel={tensor_parallel}: real runs use one device "
-                     "today; simulate it with --executor=sim")
+  capacity.check_tensor_parallel(capacity.ModelShape.from_config(model), tensor_parallel)
+  devices = jax.devices()
+  if tensor_parallel > len(devices):
+    cpu = (f"; on CPU, XLA_FLAGS=--xla_force_host_platform_device_count={tensor_parallel} "
+           "makes that many" if devices[0].platform == "cpu" else "")
+    raise ValueError(f"mesh.tensor_parallel={tensor_parallel} needs {tensor_parallel} "
+                     f"devices and JAX sees {len(devices)}{cpu}; or simulate it with "
+                     "--executor=sim")
 
 
 @dataclasses.dataclass
@@ -394,15 +462,19 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
   num_pages, pool_reason, plan = real_pool_pages(config, config.model, num_pages=num_pages,
                                                  checkpoint=bool(checkpoint),
                                                  pages_needed=pages_needed, params=params)
+  if jax.process_count() > 1:  # one pool on every process: process 0's size
+    num_pages = multihost.agree(num_pages)
+  tensor_parallel = config.mesh.tensor_parallel
   if not checkpoint:
     check_runnable(config)
     check_memory(config.model, num_pages=num_pages, page_size=page_size,
-                 kv_dtype=config.cache.kv_dtype, num_host_pages=host_pages)
+                 kv_dtype=config.cache.kv_dtype, num_host_pages=host_pages,
+                 tensor_parallel=tensor_parallel)
     params = llama.random_init(config.model, config.seed)
   engine = llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
                         page_size=page_size, num_host_pages=host_pages,
-                        kv_dtype=config.cache.kv_dtype)
+                        kv_dtype=config.cache.kv_dtype, tensor_parallel=tensor_parallel)
   device = jax.devices()[0]
   return ServingSetup(engine, config, num_pages,
-                      dict(name=f"{device.platform} (real run)", device=str(device)),
-                      pool_reason, plan)
+                      dict(name=f"{device.platform} (real run)", device=str(device),
+                           tensor_parallel=tensor_parallel), pool_reason, plan)

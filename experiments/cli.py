@@ -14,6 +14,7 @@ it created if the run fails, so a failed run leaves nothing behind.
 """
 
 import contextlib
+import dataclasses
 import logging
 import os
 import pathlib
@@ -253,6 +254,41 @@ def load_config_with_mesh(config_holder: flags.FlagHolder,
   if tensor_parallel.value is not None:
     config.mesh.tensor_parallel = tensor_parallel.value
   return config
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessFlags:
+  """`--coordinator_address`, `--num_processes`, `--process_id`: a multi-process run."""
+
+  coordinator_address: flags.FlagHolder
+  num_processes: flags.FlagHolder
+  process_id: flags.FlagHolder
+
+
+def define_processes() -> ProcessFlags:
+  """The flags of a multi-process run (`kvpage.device.multihost`): one process per host."""
+  return ProcessFlags(
+      flags.DEFINE_string("coordinator_address", None,
+                          "host:port of process 0's coordinator, for a multi-process run "
+                          "(jax.distributed); every process gets the same value."),
+      flags.DEFINE_integer("num_processes", 1, "Processes in the run (one per host)."),
+      flags.DEFINE_integer("process_id", 0, "This process's index; 0 schedules."))
+
+
+def initialize_processes(process_flags: ProcessFlags) -> None:
+  """Joins the multi-process run the flags describe (nothing for one process); call it
+  before anything touches a device."""
+  num_processes = process_flags.num_processes.value
+  if num_processes < 1:
+    raise ValueError(f"--num_processes must be >= 1, got {num_processes}")
+  if num_processes == 1:
+    return
+  if not process_flags.coordinator_address.value:
+    raise ValueError("--num_processes > 1 needs --coordinator_address=host:port")
+  from kvpage.device import multihost  # Imports jax: only for a multi-process run.
+
+  multihost.initialize(process_flags.coordinator_address.value, num_processes,
+                       process_flags.process_id.value)
 
 
 def run(main: Callable[[list[str]], None]) -> None:

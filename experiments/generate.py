@@ -4,6 +4,12 @@ r"""Generate tokens for a few prompts, together, through the paged cache.
       --max_new_tokens=16
   python -m experiments.generate --checkpoint=/path/to/hf_llama --prompt_ids="1,15043" \
       --chunk_size=8 --temperature=0.8 --seed=1
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m experiments.generate \
+      --config=configs/tiny.py --tensor_parallel=4   # one step over 4 (CPU) devices
+
+Multi-process (one process per host; docs/multi_device.md): the same command on every
+process, plus `--coordinator_address=HOST:PORT --num_processes=N --process_id=I`;
+process 0 prints the outputs.
 
 All prompts are submitted at once and decoded as one continuously batched run (the
 same scheduler, batch builder and jitted step as the server). Prints one JSON line
@@ -18,11 +24,14 @@ from absl import flags
 from configs import base as configs_check
 from experiments import build, cli
 from kvpage import units
-from kvpage.host.request import SamplingParams
+from kvpage.host.engine import Engine
+from kvpage.host.request import Request, SamplingParams
 from models import hf, llama
 
 _CONFIG = cli.define_config("configs/tiny.py",
                             "Config for random weights (ignored with --checkpoint).")
+_TENSOR_PARALLEL = cli.define_tensor_parallel()
+_PROCESSES = cli.define_processes()
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face Llama checkpoint dir.")
 _PROMPT_IDS = flags.DEFINE_string("prompt_ids", "1,2,3;4,5", "Prompts: ids `,`, prompts `;`.")
 _MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 16, "Tokens to generate per prompt.")
@@ -73,7 +82,8 @@ def check_flags() -> None:
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   check_flags()
-  config = cli.load_config(_CONFIG)
+  cli.initialize_processes(_PROCESSES)
+  config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
   configs_check.check(config)
   if _CHECKPOINT.value:
     model_config, params = hf.load(_CHECKPOINT.value)
@@ -90,7 +100,8 @@ def main(argv: list[str]) -> None:
                                  page_size) for p in prompts)
   hint = "fewer or shorter prompts, or a smaller --page_size"
   if not _CHECKPOINT.value:
-    build.check_memory(model_config, num_pages=num_pages, page_size=page_size, hint=hint)
+    build.check_memory(model_config, num_pages=num_pages, page_size=page_size, hint=hint,
+                       tensor_parallel=config.mesh.tensor_parallel)
     params = llama.random_init(model_config, config.seed)
   scheduler_config = config.scheduler
   scheduler_config.prefill_policy = "chunked" if _CHUNK_SIZE.value else "none"
@@ -100,7 +111,20 @@ def main(argv: list[str]) -> None:
       build.max_model_len(model_config, num_pages=num_pages, page_size=page_size))
   scheduler_config.watermark = 0.0  # an offline batch: every prompt is meant to run
   engine = build.llama_engine(model_config, params, scheduler_config, num_pages=num_pages,
-                              page_size=page_size, memory_hint=hint)
+                              page_size=page_size, memory_hint=hint,
+                              tensor_parallel=config.mesh.tensor_parallel)
+  if build.follow(engine):  # a process other than 0 of a multi-process run
+    return
+  try:
+    requests = _run(engine, prompts)
+  finally:
+    build.stop_followers(engine)
+  for request in requests:
+    print(json.dumps({"prompt_ids": request.prompt_ids, "output_ids": request.output_ids}))
+
+
+def _run(engine: Engine, prompts: list[list[int]]) -> list[Request]:
+  """Submits every prompt, then runs the engine until all are done."""
   requests = []
   for i, prompt in enumerate(prompts):
     sampling = SamplingParams(max_tokens=_MAX_NEW_TOKENS.value, temperature=_TEMPERATURE.value,
@@ -111,8 +135,7 @@ def main(argv: list[str]) -> None:
       raise ValueError(f"prompt {i} rejected ({answer.status}): {answer.reason}")
     requests.append(request)
   engine.run_until_done()
-  for request in requests:
-    print(json.dumps({"prompt_ids": request.prompt_ids, "output_ids": request.output_ids}))
+  return requests
 
 
 if __name__ == "__main__":

@@ -11,7 +11,12 @@ opens, then serves `kvpage.serve.app` with uvicorn; prints the address once it
 listens (`--port=0` picks a free one). SIGTERM or Ctrl-C drains: new requests get 503
 `draining`, live ones run for up to `--drain_timeout_s`, the rest are aborted, and the
 process exits 0; a second Ctrl-C exits at once.
+
+`--tensor_parallel=N` steps over N devices; a multi-process run (`--num_processes`,
+docs/multi_device.md) serves HTTP from process 0 while every process steps.
 """
+
+from typing import Any
 
 from absl import flags
 
@@ -22,6 +27,8 @@ from experiments import build, cli
 _CONFIG = cli.define_config("configs/tiny.py",
                             "Config for random weights; its scheduler and cache sections "
                             "apply with --checkpoint too.")
+_TENSOR_PARALLEL = cli.define_tensor_parallel()
+_PROCESSES = cli.define_processes()
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face Llama checkpoint dir "
                                   "(with its tokenizer).")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
@@ -69,15 +76,15 @@ def check_flags() -> None:
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   check_flags()
-  try:  # the serve extra, checked before minutes of compilation
-    from kvpage.serve import app as app_lib
-    from kvpage.serve import server as server_lib
+  try:  # the serve extra, checked before minutes of compilation (`_serve` uses it)
+    from kvpage.serve import app, server  # noqa: F401
   except ImportError as error:
     raise ValueError(f"the server needs the serve extra ({error.name} is missing): "
                      "pip install -e '.[serve]'") from None
   from models import hf
 
-  config = cli.load_config(_CONFIG)
+  config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
+  cli.initialize_processes(_PROCESSES)
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
   configs_check.check(config)
   tokenizer, eos_ids = None, ()
@@ -95,6 +102,19 @@ def main(argv: list[str]) -> None:
   if tokenizer is not None and len(tokenizer) > setup.config.model.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                      f"is {setup.config.model.vocab_size}")
+  if build.follow(setup.engine):  # a process other than 0: it steps, process 0 serves
+    return
+  try:
+    _serve(setup, tokenizer, eos_ids)
+  finally:
+    build.stop_followers(setup.engine)
+
+
+def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...]) -> None:
+  """Warms the engine up, then serves HTTP until a signal drains it."""
+  from kvpage.serve import app as app_lib
+  from kvpage.serve import server as server_lib
+
   engine, scheduler_config = setup.engine, setup.config.scheduler
   if _WARMUP.value:
     greedy = (True, False) if _WARMUP_SAMPLING.value else (True,)

@@ -4,6 +4,8 @@ r"""The main job: how a model behaves as concurrency rises.
   python -m experiments.serve_bench --executor=sim --config=configs/llama_13b.py \
       --hardware=a100_80gb --num_requests=400 --arrival_rate=4 \
       --prompt_len=lognormal:512:4000 --output_len=uniform:64:512
+  XLA_FLAGS=--xla_force_host_platform_device_count=4 python -m experiments.serve_bench \
+      --tensor_parallel=4                                 # one step over 4 CPU devices
 
 Synthesizes (or loads, `--trace`) a seeded workload, replays it through the engine —
 the real model behind `JaxExecutor` (`--executor=jax`, random weights or
@@ -42,6 +44,7 @@ _CALIBRATION = flags.DEFINE_string(
     "calibration", None, "Shortcut for --config.sim.calibration: a calibration file "
     "(experiments/calibrate.py) whose rates price simulated steps.")
 _TENSOR_PARALLEL = cli.define_tensor_parallel()
+_PROCESSES = cli.define_processes()
 flags.DEFINE_integer("num_requests", 96, "Requests in the workload.")
 flags.DEFINE_string("arrival_rate", "40", "Requests/s; `inf` = all at once.")
 flags.DEFINE_string("arrival_process", "poisson", "poisson | gamma:CV (bursty).")
@@ -214,7 +217,12 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
   setup = build.serving_engine(config, executor=settings.executor, hardware=hardware,
                                checkpoint=settings.checkpoint, num_pages=settings.num_pages,
                                pages_needed=pages_needed(served, settings, trace))
-  summary, files = serve(setup, trace, settings, show_progress=show_progress, bars=bars)
+  if build.follow(setup.engine):  # a process other than 0 of a multi-process run
+    return {}, {}
+  try:
+    summary, files = serve(setup, trace, settings, show_progress=show_progress, bars=bars)
+  finally:
+    build.stop_followers(setup.engine)
   files["trace.jsonl"] = workload.to_jsonl(trace)
   return summary, files
 
@@ -222,6 +230,10 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   settings, config = settings_from_flags(), config_from_flags()
+  cli.initialize_processes(_PROCESSES)
+  if _PROCESSES.process_id.value > 0:  # steps for process 0, which reports
+    run_bench(config, settings, show_progress=False)
+    return
   if _PLOT.value:
     from experiments import plots  # fails now, not after the run, without matplotlib
   with cli.workdir(_WORKDIR.value) as workdir:  # fail now, not after the run

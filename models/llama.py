@@ -24,6 +24,8 @@ import ml_collections
 from kvpage import batch as batch_lib
 from kvpage.device import attention as attention_lib
 from kvpage.device import cache as paged_cache
+from kvpage.device import sharding
+from kvpage.device.sharding import TensorParallel
 from models import rope
 
 
@@ -49,12 +51,13 @@ def _dense(features: int, name: str, dtype: Any) -> nn.Dense:
 class Attention(nn.Module):
   config: ml_collections.ConfigDict
   layer: int
+  tensor_parallel: TensorParallel | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: paged_cache.PagedKVCache,
                batch: batch_lib.StepBatch) -> tuple[jax.Array, paged_cache.PagedKVCache]:
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
-    num_tokens = x.shape[0]
+    tp, num_tokens = self.tensor_parallel, x.shape[0]
     q = _dense(c.num_heads * c.head_dim, "q_proj", dtype)(x).reshape(
         num_tokens, c.num_heads, c.head_dim)
     k = _dense(c.num_kv_heads * c.head_dim, "k_proj", dtype)(x).reshape(
@@ -64,38 +67,49 @@ class Attention(nn.Module):
     inv_freq = rope.inverse_frequencies(c.head_dim, c.rope_theta, c.get("rope_scaling"))
     q = rope.apply(q, batch.positions, inv_freq)
     k = rope.apply(k, batch.positions, inv_freq)
+    # Each device computes its own heads (a no-op without a mesh).
+    q = sharding.constrain(q, tp, "heads")
+    k = sharding.constrain(k, tp, "kv_heads")
+    v = sharding.constrain(v, tp, "kv_heads")
     cache = paged_cache.write(cache, self.layer, k, v, batch.slot_mapping)
     # `decode_only` is a class attribute of the batch's type, so static under jit.
     out = attention_lib.attention(
         c.attention_impl, q.astype(cache.dtype), cache.k_pages, cache.v_pages,
         layer=self.layer, page_tables=batch.page_tables, context_lens=batch.context_lens,
-        query_start_loc=batch.query_start_loc, decode_only=batch.decode_only)
+        query_start_loc=batch.query_start_loc, decode_only=batch.decode_only,
+        tensor_parallel=tp)
     out = out.astype(dtype).reshape(num_tokens, c.num_heads * c.head_dim)
-    return _dense(c.d_model, "o_proj", dtype)(out), cache
+    # Each device's heads project to a partial sum; replicated, they are all-reduced.
+    out = sharding.constrain(_dense(c.d_model, "o_proj", dtype)(out), tp, "replicated")
+    return out, cache
 
 
 class MLP(nn.Module):
   config: ml_collections.ConfigDict
+  tensor_parallel: TensorParallel | None = None
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     gate = _dense(c.ffn_dim, "gate_proj", dtype)(x)
     up = _dense(c.ffn_dim, "up_proj", dtype)(x)
-    return _dense(c.d_model, "down_proj", dtype)(nn.silu(gate) * up)
+    out = _dense(c.d_model, "down_proj", dtype)(nn.silu(gate) * up)
+    return sharding.constrain(out, self.tensor_parallel, "replicated")  # all-reduced
 
 
 class DecoderLayer(nn.Module):
   config: ml_collections.ConfigDict
   layer: int
+  tensor_parallel: TensorParallel | None = None
 
   @nn.compact
   def __call__(self, x, cache, batch):
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
-    h, cache = Attention(c, self.layer, name="self_attn")(
+    tp = self.tensor_parallel
+    h, cache = Attention(c, self.layer, tp, name="self_attn")(
         RMSNorm(c.norm_eps, dtype, name="input_layernorm")(x), cache, batch)
     x = x + h
-    x = x + MLP(c, name="mlp")(RMSNorm(c.norm_eps, dtype, name="post_attention_layernorm")(x))
+    x = x + MLP(c, tp, name="mlp")(RMSNorm(c.norm_eps, dtype, name="post_attention_layernorm")(x))
     return x, cache
 
 
@@ -103,6 +117,7 @@ class Llama(nn.Module):
   """`(token ids, cache, batch) -> (logits of the sampled rows, updated cache)`."""
 
   config: ml_collections.ConfigDict
+  tensor_parallel: TensorParallel | None = None
 
   @nn.compact
   def __call__(self, cache: paged_cache.PagedKVCache,
@@ -110,18 +125,44 @@ class Llama(nn.Module):
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     embed = nn.Embed(c.vocab_size, c.d_model, dtype=dtype, param_dtype=dtype,
                      embedding_init=nn.initializers.normal(0.02), name="embed_tokens")
-    x = embed(batch.token_ids)
+    tp = self.tensor_parallel
+    x = sharding.constrain(embed(batch.token_ids), tp, "replicated")
     for layer in range(c.num_layers):
-      x, cache = DecoderLayer(c, layer, name=f"layers_{layer}")(x, cache, batch)
+      x, cache = DecoderLayer(c, layer, tp, name=f"layers_{layer}")(x, cache, batch)
     x = RMSNorm(c.norm_eps, dtype, name="norm")(x[batch.logits_indices])
     logits = embed.attend(x) if c.tie_embeddings else _dense(c.vocab_size, "lm_head", dtype)(x)
-    return logits.astype(jnp.float32), cache
+    # Each device scores its slice of the vocabulary; the sampler gets whole logits on
+    # every device: one gather of `[num_seqs, vocab]`, not of the LM head's weights.
+    logits = sharding.constrain(logits.astype(jnp.float32), tp, "vocab")
+    logits = sharding.constrain(logits, tp, "replicated")
+    return logits, cache
 
 
 def forward(params: Any, cache: paged_cache.PagedKVCache, batch: batch_lib.StepBatch, *,
-            config: ml_collections.ConfigDict) -> tuple[jax.Array, paged_cache.PagedKVCache]:
-  """The step's model function: `f32[num_seqs, vocab]` logits and the updated cache."""
-  return Llama(config).apply({"params": params}, cache, batch)
+            config: ml_collections.ConfigDict,
+            tensor_parallel: TensorParallel | None = None
+            ) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+  """The step's model function: `f32[num_seqs, vocab]` logits and the updated cache;
+  with `tensor_parallel`, sharded over its mesh (`params` and `cache` placed by
+  `param_axes` and `TensorParallel.cache`)."""
+  return Llama(config, tensor_parallel).apply({"params": params}, cache, batch)
+
+
+_PARAM_AXES = {
+    "embed_tokens": ("vocab", None), "lm_head": (None, "vocab"),
+    "q_proj": (None, "heads"), "k_proj": (None, "kv_heads"), "v_proj": (None, "kv_heads"),
+    "o_proj": ("heads", None),
+    "gate_proj": (None, "ffn"), "up_proj": (None, "ffn"), "down_proj": ("ffn", None),
+}
+
+
+def param_axes(path: tuple[str, ...]) -> tuple[str | None, ...]:
+  """Logical names of a parameter's dimensions (`kvpage.device.sharding.LOGICAL_AXES`),
+  by its path in `params`: Megatron's split (q/k/v and gate/up by output features, o and
+  down by input features) and the vocabulary split across devices (embedding rows, LM
+  head columns), which for a 128k vocabulary is gigabytes a device does not hold twice.
+  Norm scales stay whole."""
+  return _PARAM_AXES.get(path[-2], (None,))
 
 
 def random_init(config: ml_collections.ConfigDict, seed: int = 0) -> Any:

@@ -26,9 +26,11 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kvpage import batch as batch_lib
 from kvpage import units
+from kvpage.device import sharding as sharding_lib
 from kvpage.sim import capacity
 
 
@@ -96,11 +98,12 @@ def pool_bytes(model_config: Mapping[str, Any] | Any, *, num_pages: int, page_si
 
 
 def init(model_config: Mapping[str, Any] | Any, *, num_pages: int, page_size: int,
-         dtype: Any = None) -> PagedKVCache:
+         dtype: Any = None, sharding: NamedSharding | None = None) -> PagedKVCache:
   """A zeroed cache of `num_pages` pages (page 0, the null page, included).
 
   `model_config` is a model config section (layers, KV heads, head_dim); `dtype`
-  defaults to the model's.
+  defaults to the model's. `sharding` (tensor parallelism: split on the KV-head axis)
+  lays the pool out across devices, each allocating only its own slice.
   """
   if num_pages < 2:
     raise ValueError(f"num_pages must be >= 2 (page 0 is the null page), got {num_pages}")
@@ -109,7 +112,10 @@ def init(model_config: Mapping[str, Any] | Any, *, num_pages: int, page_size: in
   num_layers, num_kv_heads, head_dim = _model_dims(model_config)
   dtype = jnp_dtype(dtype or model_config["dtype"])
   shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-  return PagedKVCache(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
+  if sharding is None:
+    return PagedKVCache(k_pages=jnp.zeros(shape, dtype), v_pages=jnp.zeros(shape, dtype))
+  zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+  return PagedKVCache(k_pages=zeros(), v_pages=zeros())
 
 
 def num_pages_for_budget(model_config: Mapping[str, Any] | Any, *, memory_bytes: int,
@@ -167,19 +173,25 @@ class HostSwapPool:
   """Pages of keys and values in host memory, for requests preempted by swap.
 
   Host pages are numbered from 0 (the host pool has no null page) and laid out like
-  the cache's. Every copy pads its page list to a power of two with the null page, so
+  the cache's. Under tensor parallelism (`sharding`, the cache's) each device's slice of
+  a page travels between that device and the host, and each process keeps the slices
+  its own devices hold. Every copy pads its page list to a power of two with the null page, so
   copies, like steps, compile once per size bucket rather than once per count; the
   padding rows gather the null page and scatter zeros into it, which no real token
   reads. Each copy is one explicit transfer each way (`jax.device_put`,
-  `jax.device_get`).
+  `kvpage.device.sharding.host_shards`).
   """
 
-  def __init__(self, cache: PagedKVCache, num_pages: int):
+  def __init__(self, cache: PagedKVCache, num_pages: int,
+               sharding: NamedSharding | None = None):
     shape = (cache.num_layers, cache.num_kv_heads, num_pages, cache.page_size, cache.head_dim)
+    # Zeros from the OS: a process's pages of heads other processes hold are never touched.
     self.k = np.zeros(shape, cache.dtype)
     self.v = np.zeros(shape, cache.dtype)
-    self._gather = jax.jit(_gather_pages)
-    self._scatter = jax.jit(_scatter_pages, donate_argnums=0)
+    self.sharding = sharding
+    self._whole = None if sharding is None else NamedSharding(sharding.mesh, PartitionSpec())
+    self._gather = jax.jit(_gather_pages, out_shardings=sharding)
+    self._scatter = jax.jit(_scatter_pages, donate_argnums=0, out_shardings=sharding)
 
   @property
   def num_pages(self) -> int:
@@ -189,11 +201,12 @@ class HostSwapPool:
     """Copies device pages to host pages: `[(device_page, host_page), ...]`."""
     if not copies:
       return
-    device_pages = jax.device_put(_padded([device for device, _ in copies]))
-    k, v = jax.device_get(self._gather(cache, device_pages))
-    host_pages = [host for _, host in copies]
-    self.k[:, :, host_pages] = k[:, :, :len(copies)]
-    self.v[:, :, host_pages] = v[:, :, :len(copies)]
+    device_pages = jax.device_put(_padded([device for device, _ in copies]), self._whole)
+    k, v = self._gather(cache, device_pages)
+    host_pages, count = [host for _, host in copies], len(copies)
+    for pool, pages in ((self.k, k), (self.v, v)):
+      for index, part in sharding_lib.host_shards(pages):  # [layers, heads, padded, ...]
+        pool[:, index[1], host_pages] = part[:, :, :count]
 
   def swap_in(self, cache: PagedKVCache, copies: Sequence[tuple[int, int]]) -> PagedKVCache:
     """Copies host pages back to device pages, `[(host_page, device_page), ...]`; returns
@@ -207,7 +220,8 @@ class HostSwapPool:
     host_pages = [host for host, _ in copies]
     k[:, :, :len(copies)] = self.k[:, :, host_pages]
     v[:, :, :len(copies)] = self.v[:, :, host_pages]
-    return self._scatter(cache, *jax.device_put((device_pages, k, v)))
+    return self._scatter(cache, jax.device_put(device_pages, self._whole),
+                         jax.device_put(k, self.sharding), jax.device_put(v, self.sharding))
 
 
 def _padded(pages: list[int]) -> np.ndarray:

@@ -23,12 +23,15 @@ rather than one experiment's loop, covers every real run, whoever drives the eng
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
+from kvpage.device import sharding
+from kvpage.device.sharding import TensorParallel
 from kvpage.device.step import ForwardFn, Step
 from kvpage.interface import Executor, Samples, SchedulerOutput
 
@@ -50,14 +53,29 @@ class JaxExecutor(Executor):
   """A model's forward function, its params and a paged cache behind `Executor`."""
 
   def __init__(self, forward: ForwardFn, params: Any, cache: paged_cache.PagedKVCache, *,
-               num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None):
+               num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None,
+               tensor_parallel: TensorParallel | None = None,
+               param_axes: Callable[[tuple[str, ...]], Sequence[str | None]] | None = None):
+    """`forward`: the model's step function (with `tensor_parallel`, the sharded
+    model's); `cache`: laid out by `tensor_parallel.cache` when given; `param_axes`:
+    the model's logical names of each parameter's dimensions, which place `params`
+    on the mesh (`kvpage.device.sharding.param_shardings`)."""
+    self.tensor_parallel = tensor_parallel
     # Once, explicitly: params handed over as numpy would otherwise cross to the
     # device at every step.
-    self.params = jax.device_put(params)
+    if tensor_parallel is None:
+      self.params = jax.device_put(params)
+    else:
+      if param_axes is None:
+        raise ValueError("tensor parallelism needs the model's param_axes to place its weights")
+      shardings = sharding.param_shardings(params, param_axes, tensor_parallel)
+      # Through the host: each process places its own devices' shards.
+      self.params = jax.device_put(jax.device_get(params), shardings)
     self.cache = cache
     self.buckets = buckets or batch_lib.DEFAULT_BUCKETS
-    self.step = Step(forward)
-    self.host_pool = paged_cache.HostSwapPool(cache, num_host_pages)
+    self.step = Step(forward, tensor_parallel=tensor_parallel)
+    self.host_pool = paged_cache.HostSwapPool(
+        cache, num_host_pages, None if tensor_parallel is None else tensor_parallel.cache)
     self.num_launches = 0  # steps launched (a multi-step decode is one launch)
     self._feed: jax.Array | None = None  # the last launched step's sampled ids (device)
     self._feed_rows: dict[str, int] = {}  # request -> its row in `_feed`
@@ -95,7 +113,10 @@ class JaxExecutor(Executor):
       tokens, self.cache = self.step.dispatch(self.params, self.cache, batch,
                                               info.all_greedy, self._feed)
       feed = tokens
-    tokens.copy_to_host_async()  # started now, so `collect` finds the ids on the host
+    # The ids are whole on every device, and one process may not see them all: one copy,
+    # started now, so `collect` finds them on the host.
+    tokens = tokens.addressable_data(0)
+    tokens.copy_to_host_async()
     self._feed = feed
     self._feed_rows = {request_id: row for row, (request_id, samples)
                        in enumerate(zip(info.request_ids, info.samples)) if samples}

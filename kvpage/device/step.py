@@ -18,6 +18,11 @@ batch token id `-(r + 1)` is read from row `r` of it on the device (async schedu
 `kvpage.batch`). `dispatch` returns without waiting for the device; the executor fetches
 the ids.
 
+Under tensor parallelism (`tensor_parallel`, `kvpage.device.sharding`) the forward
+function is the sharded model's; the step places the batch and the feed whole on
+every device of the mesh and pins the outputs' layouts (ids whole, the cache split by
+KV heads as it came in), so the donated cache keeps its layout from step to step.
+
 `dispatch_multi` runs multi-step decoding (`scheduler.num_decode_steps`): a decode
 batch goes through up to `num_steps` iterations in one program (a `fori_loop` over
 the model), each iteration's samples becoming the next one's tokens on the device.
@@ -37,6 +42,7 @@ from kvpage import units
 from kvpage.batch import StepBatch
 from kvpage.device import cache as paged_cache
 from kvpage.device import sampling
+from kvpage.device.sharding import TensorParallel
 
 ForwardFn = Callable[[Any, paged_cache.PagedKVCache, StepBatch],
                      tuple[jax.Array, paged_cache.PagedKVCache]]
@@ -65,14 +71,20 @@ def _fed_tokens(batch: StepBatch, feed: jax.Array) -> jax.Array:
 class Step:
   """A model's forward function and the sampler, jitted: `dispatch`, `dispatch_multi`."""
 
-  def __init__(self, forward: ForwardFn, feed_width: int = batch_lib.SEQ_BUCKETS[-1]):
+  def __init__(self, forward: ForwardFn, feed_width: int = batch_lib.SEQ_BUCKETS[-1],
+               tensor_parallel: TensorParallel | None = None):
     self.forward = forward
     self.num_compiles = 0
     self.feed_width = feed_width
+    tp = tensor_parallel
+    # Inputs the host sends: whole on every device of the mesh (default device without).
+    self._whole = None if tp is None else tp.replicated
+    single = {} if tp is None else dict(out_shardings=(tp.replicated, tp.cache))
+    multi = {} if tp is None else dict(out_shardings=(tp.replicated, tp.replicated, tp.cache))
     self._jitted = jax.jit(self._step, donate_argnums=(1,),
-                           static_argnames=("layout", "all_greedy"))
+                           static_argnames=("layout", "all_greedy"), **single)
     self._jitted_multi = jax.jit(self._multi_step, donate_argnums=(1,),
-                                 static_argnames=("layout", "all_greedy", "num_steps"))
+                                 static_argnames=("layout", "all_greedy", "num_steps"), **multi)
     self._no_feed = None
 
   def _step(self, params, cache, packed, feed, layout, all_greedy):
@@ -130,7 +142,11 @@ class Step:
     activations it needs beside its arguments. Compiles the program and runs nothing;
     `params` and `cache` may be `jax.ShapeDtypeStruct`s (nothing is allocated)."""
     packed, layout = batch_lib.pack(batch)
-    compiled = self._jitted.lower(params, cache, packed, np.zeros(self.feed_width, np.int32),
+    feed = np.zeros(self.feed_width, np.int32)
+    if self._whole is not None:  # shapes laid out as the step's real inputs are
+      packed, feed = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._whole)
+                      for x in (packed, feed))
+    compiled = self._jitted.lower(params, cache, packed, feed,
                                   layout=layout, all_greedy=all_greedy).compile()
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
@@ -141,7 +157,7 @@ class Step:
     so a committed feed would compile every program a second time.
     """
     if self._no_feed is None:
-      self._no_feed = jax.device_put(np.zeros(self.feed_width, np.int32))
+      self._no_feed = jax.device_put(np.zeros(self.feed_width, np.int32), self._whole)
     return self._no_feed
 
   def _checked_feed(self, batch: StepBatch, feed: jax.Array | None) -> jax.Array:
@@ -157,8 +173,8 @@ class Step:
     """Launches the step; returns `i32[feed_width]` sampled ids (row s: sequence s) at once."""
     feed = self._checked_feed(batch, feed)
     packed, layout = batch_lib.pack(batch)
-    return self._jitted(params, cache, jax.device_put(packed), feed, layout=layout,
-                        all_greedy=all_greedy)
+    return self._jitted(params, cache, jax.device_put(packed, self._whole), feed,
+                        layout=layout, all_greedy=all_greedy)
 
   def dispatch_multi(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
                      all_greedy: bool, feed: jax.Array | None, num_steps: int
@@ -170,5 +186,5 @@ class Step:
       raise ValueError("multi-step decoding needs a decode-only batch")
     feed = self._checked_feed(batch, feed)
     packed, layout = batch_lib.pack(batch)
-    return self._jitted_multi(params, cache, jax.device_put(packed), feed, layout=layout,
-                              all_greedy=all_greedy, num_steps=num_steps)
+    return self._jitted_multi(params, cache, jax.device_put(packed, self._whole), feed,
+                              layout=layout, all_greedy=all_greedy, num_steps=num_steps)

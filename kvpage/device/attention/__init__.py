@@ -17,14 +17,16 @@ choice among implementations and their calling conventions lives here.
 
 import jax
 
+from kvpage.device import sharding
 from kvpage.device.attention import reference, xla
+from kvpage.device.sharding import TensorParallel
 
 ATTENTION_IMPLS = ("xla", "reference", "pallas")
 
 
 def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, layer: int,
               page_tables: jax.Array, context_lens: jax.Array, query_start_loc: jax.Array,
-              decode_only: bool) -> jax.Array:
+              decode_only: bool, tensor_parallel: TensorParallel | None = None) -> jax.Array:
   """One layer's attention of a step's new tokens, by the implementation `impl`.
 
   Args:
@@ -37,6 +39,8 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
     page_tables, context_lens, query_start_loc: as in `reference.ragged_paged_attention`.
     decode_only: a static Python bool: every sequence brings exactly one new token,
       token `s` being sequence `s`'s. `xla` then takes its decode-only path.
+    tensor_parallel: the mesh the step runs on, if any: `q` split by query heads and
+      the pools by KV heads (`kvpage.device.sharding`); each device attends with its own.
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   Raises:
@@ -45,6 +49,20 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
   if not isinstance(decode_only, bool):
     # A traced flag cannot pick a code path at trace time; the batch's type carries it.
     raise TypeError(f"decode_only must be a static Python bool, got {type(decode_only)}")
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"unknown attention impl {impl!r}; choose one of: "
+                     f"{', '.join(ATTENTION_IMPLS)}")
+  def one_device(q, k_pages, v_pages, page_tables, context_lens, query_start_loc):
+    return _attention(impl, q, k_pages, v_pages, layer=layer, page_tables=page_tables,
+                      context_lens=context_lens, query_start_loc=query_start_loc,
+                      decode_only=decode_only)
+  if tensor_parallel is not None:
+    one_device = sharding.shard_attention(one_device, tensor_parallel)
+  return one_device(q, k_pages, v_pages, page_tables, context_lens, query_start_loc)
+
+
+def _attention(impl, q, k_pages, v_pages, *, layer, page_tables, context_lens, query_start_loc,
+               decode_only):
   lengths = dict(page_tables=page_tables, context_lens=context_lens)
   if impl == "xla" and decode_only:
     return xla.paged_decode_attention(q, k_pages, v_pages, layer=layer, **lengths)
@@ -60,4 +78,4 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
     return pallas.ragged_paged_attention(q, k_pages[layer], v_pages[layer], **lengths,
                                          query_start_loc=query_start_loc,
                                          interpret=jax.default_backend() == "cpu")
-  raise ValueError(f"unknown attention impl {impl!r}; choose one of: {', '.join(ATTENTION_IMPLS)}")
+  raise AssertionError(impl)
