@@ -275,7 +275,7 @@ def define_processes() -> ProcessFlags:
       flags.DEFINE_integer("process_id", 0, "This process's index; 0 schedules."))
 
 
-def initialize_processes(process_flags: ProcessFlags) -> None:
+def initialize_processes(process_flags: ProcessFlags, executor: str = "jax") -> None:
   """Joins the multi-process run the flags describe (nothing for one process); call it
   before anything touches a device."""
   num_processes = process_flags.num_processes.value
@@ -283,6 +283,9 @@ def initialize_processes(process_flags: ProcessFlags) -> None:
     raise ValueError(f"--num_processes must be >= 1, got {num_processes}")
   if num_processes == 1:
     return
+  if executor != "jax":
+    raise ValueError("--num_processes > 1 runs a real model (--executor=jax); the simulator "
+                     "prices a multi-device step in one process (--tensor_parallel)")
   if not process_flags.coordinator_address.value:
     raise ValueError("--num_processes > 1 needs --coordinator_address=host:port")
   from kvpage.device import multihost  # Imports jax: only for a multi-process run.

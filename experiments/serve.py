@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
   from models import hf
 
   config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
-  cli.initialize_processes(_PROCESSES)
+  cli.initialize_processes(_PROCESSES, _EXECUTOR.value)
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
   configs_check.check(config)
   tokenizer, eos_ids = None, ()

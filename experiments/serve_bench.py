@@ -230,7 +230,7 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   settings, config = settings_from_flags(), config_from_flags()
-  cli.initialize_processes(_PROCESSES)
+  cli.initialize_processes(_PROCESSES, settings.executor)
   if _PROCESSES.process_id.value > 0:  # steps for process 0, which reports
     run_bench(config, settings, show_progress=False)
     return
@@ -360,6 +360,10 @@ def format_summary(summary: dict) -> str:
           MemoryPlan.from_dict(p["memory_plan"]).lines() if p.get("memory_plan") else [])],
       *([f"  steps     tensor parallel {p['hardware']['tensor_parallel']}, priced by "
          f"{p['hardware']['step_rates_source']}"] if "step_rates_source" in p["hardware"] else []),
+      *([f"  steps     tensor parallel {p['hardware']['tensor_parallel']}: weights and KV "
+         "heads split over that many devices"]
+        if "step_rates_source" not in p["hardware"]
+        and p["hardware"].get("tensor_parallel", 1) > 1 else []),
       "",
       f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
       f"  rejections               {summary['rejections']}",

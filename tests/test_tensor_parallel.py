@@ -221,3 +221,28 @@ def test_two_processes_of_two_devices_equal_one_process_of_four():
   assert len(expected) == len(PROMPTS) and all(len(ids) == 12 for ids in expected)
   assert _generate_outputs(results[0][0]) == expected
   assert _generate_outputs(results[1][0]) == []  # process 1 only steps
+
+
+def test_shapes_that_cannot_split_are_refused_before_anything_runs():
+  config = tiny_config.get_config()  # 4 query heads, 2 KV heads, FFN 512
+  config.mesh.tensor_parallel = 3
+  with pytest.raises(ValueError, match="num_heads=4 does not split over tensor_parallel=3"):
+    build.check_runnable(config)
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.generate", "--config=configs/tiny.py",
+       "--tensor_parallel=8"], cwd=ROOT, env=_env(8), capture_output=True, text=True,
+      timeout=120)
+  assert result.returncode != 0 and "Traceback" not in result.stderr
+  assert "num_heads=4 does not split over tensor_parallel=8" in result.stderr
+
+
+@four_devices
+def test_the_real_memory_plan_is_one_devices():
+  config = tiny_config.get_config()
+  config.mesh.tensor_parallel = 2
+  plan = build.real_memory_plan(config, config.model)
+  engine = _engine(config.model, llama.random_init(config.model, seed=0), 2)
+  held = sharding.device_bytes(engine.executor.params)
+  assert set(held.values()) == {plan.weight_bytes}
+  cache = engine.executor.cache
+  assert plan.page_bytes == cache.num_bytes // cache.num_pages // 2
