@@ -2,7 +2,8 @@
 
 A config has three sections:
   * `model`: dimensions from `configs.model_table` plus the weight `dtype`;
-  * `cache`: paged KV-cache layout (`page_size`, `kv_dtype`, `num_pages` or a budget);
+  * `cache`: paged KV-cache layout (`page_size`, `kv_dtype`, `num_pages` or a budget,
+    `prefix_caching`);
   * `hardware`: a key into `configs.hardware.HARDWARE`;
   * `mesh`: how many devices one step runs on (`tensor_parallel`; the simulator and the
     capacity model split weights and KV heads over them);
@@ -50,9 +51,12 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # the memory plan: `memory_utilization` of the device, less the weights and the
   # largest step's activations (`experiments.build.real_pool_pages`). A simulated run's
   # pool is always the plan's, on the hardware entry's memory (`sim_memory_plan`).
+  # `prefix_caching`: full pages of computed tokens are named and shared by later
+  # requests with the same prefix (kvpage.host.prefix_cache), on by default as in vLLM.
   config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0,
                                                 kv_memory_gib=4.0,
-                                                memory_utilization=memory_plan.DEFAULT_UTILIZATION))
+                                                memory_utilization=memory_plan.DEFAULT_UTILIZATION,
+                                                prefix_caching=True))
   config.hardware = hardware
   config.mesh = ml_collections.ConfigDict(dict(tensor_parallel=tensor_parallel))
   config.sim = ml_collections.ConfigDict(dict(calibration=""))
@@ -123,6 +127,9 @@ def check(config) -> None:
   _positive_number("cache.memory_utilization", utilization)
   if utilization > 1:
     raise ValueError(f"cache.memory_utilization must be in (0, 1], got {utilization!r}")
+  if not isinstance(cache.get("prefix_caching", False), bool):
+    raise ValueError(f"cache.prefix_caching must be true or false, got "
+                     f"{cache.get('prefix_caching')!r}")
   if cache.get("kv_dtype") not in DTYPES:
     raise ValueError(f"cache.kv_dtype {cache.get('kv_dtype')!r}: choose one of "
                      f"{', '.join(DTYPES)}")

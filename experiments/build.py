@@ -111,11 +111,12 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                  page_size: int, num_host_pages: int = 0, kv_dtype: str | None = None,
                  clock: Callable[[], float] | None = None,
                  on_step: Callable[..., None] | None = None,
-                 tensor_parallel: int = 1,
+                 tensor_parallel: int = 1, prefix_caching: bool = False,
                  memory_hint: str = "lower --num_pages or --page_size") -> Engine:
   """An engine serving a Llama model through a paged cache of `num_pages` pages.
 
-  `kv_dtype` (default: the model's) is the cache's storage precision. With
+  `kv_dtype` (default: the model's) is the cache's storage precision;
+  `prefix_caching` shares the pages of computed prefixes (`cache.prefix_caching`). With
   `tensor_parallel` > 1 the step runs on that many devices (`mesh`): weights, KV heads
   and the pool split over them, one scheduler on the host as before.
   """
@@ -138,7 +139,7 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
                         max_model_len=max_len,
                         num_host_pages=num_host_pages, clock=clock or WallClock(),
-                        vocab_size=model_config.vocab_size)
+                        vocab_size=model_config.vocab_size, prefix_caching=prefix_caching)
   return Engine(scheduler, executor, on_step=on_step,
                 async_scheduling=scheduler_config.async_scheduling)
 
@@ -200,7 +201,7 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
                scheduler_config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
                kv_dtype: str | None = None, num_host_pages: int = 0,
                paced: bool = False, tensor_parallel: int = 1,
-               rates: StepRates | None = None) -> Engine:
+               rates: StepRates | None = None, prefix_caching: bool = False) -> Engine:
   """An engine over a simulated GPU group: the same scheduler, a `StepModel` executor,
   virtual time (`paced`: wall time, each step slept through, to serve live clients).
   `rates`: default the hardware's own (`step_rates`); rates fit on padded steps price
@@ -213,7 +214,8 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
                     host_link_bandwidth=hardware.host_link_bandwidth)
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
                         max_model_len=model_config.max_seq_len, num_host_pages=num_host_pages,
-                        clock=clock, vocab_size=model_config.vocab_size)
+                        clock=clock, vocab_size=model_config.vocab_size,
+                        prefix_caching=prefix_caching)
   buckets = batch_lib.Buckets.for_server(
       max_model_len=model_config.max_seq_len, page_size=page_size,
       max_num_seqs=scheduler_config.max_num_seqs) if rates.padded_work else None
@@ -449,7 +451,8 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
     engine = sim_engine(config.model, hardware, config.scheduler, num_pages=num_pages,
                         page_size=page_size, kv_dtype=config.cache.kv_dtype,
                         num_host_pages=host_pages, paced=paced,
-                        tensor_parallel=tensor_parallel, rates=rates)
+                        tensor_parallel=tensor_parallel, rates=rates,
+                        prefix_caching=config.cache.get("prefix_caching", False))
     record = dict(dataclasses.asdict(hardware), tensor_parallel=tensor_parallel,
                   step_rates=rates.to_dict(), step_rates_source=rates_source)
     return ServingSetup(engine, config, num_pages, record, reason, plan)
@@ -473,7 +476,8 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
     params = llama.random_init(config.model, config.seed)
   engine = llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
                         page_size=page_size, num_host_pages=host_pages,
-                        kv_dtype=config.cache.kv_dtype, tensor_parallel=tensor_parallel)
+                        kv_dtype=config.cache.kv_dtype, tensor_parallel=tensor_parallel,
+                        prefix_caching=config.cache.get("prefix_caching", False))
   device = jax.devices()[0]
   return ServingSetup(engine, config, num_pages,
                       dict(name=f"{device.platform} (real run)", device=str(device),

@@ -112,7 +112,8 @@ def main(argv: list[str]) -> None:
   scheduler_config.watermark = 0.0  # an offline batch: every prompt is meant to run
   engine = build.llama_engine(model_config, params, scheduler_config, num_pages=num_pages,
                               page_size=page_size, memory_hint=hint,
-                              tensor_parallel=config.mesh.tensor_parallel)
+                              tensor_parallel=config.mesh.tensor_parallel,
+                              prefix_caching=config.cache.prefix_caching)
   if build.follow(engine):  # a process other than 0 of a multi-process run
     return
   try:

@@ -52,6 +52,9 @@ flags.DEFINE_string("prompt_len", "lognormal:64:512",
                     "N | uniform:LO:HI | lognormal:MEDIAN:MAX | mix:F:LONG:SHORT")
 flags.DEFINE_string("output_len", "uniform:16:128", "Same forms as --prompt_len.")
 flags.DEFINE_string("priority", "0", "N | uniform:LO:HI (lower = more important).")
+flags.DEFINE_string("shared_prefix", "", "TOKENS:GROUPS: each prompt starts with one of "
+                    "GROUPS common prefixes of TOKENS tokens (--prompt_len is then the unique "
+                    "suffix's length); prefix caching (cache.prefix_caching) shares them.")
 flags.DEFINE_string("trace", None, "Replay this JSONL trace instead of synthesizing.")
 flags.DEFINE_string("lengths_csv", None, "(prompt, output) lengths, replayed in order from "
                     "a CSV (columns prompt_len, output_len or num_prefill_tokens, "
@@ -93,6 +96,7 @@ class BenchSettings:
   prompt_len: str = "lognormal:64:512"
   output_len: str = "uniform:16:128"
   priority: str = "0"
+  shared_prefix: str = ""
   trace: str | None = None
   lengths_csv: str | None = None
   checkpoint: str | None = None
@@ -165,7 +169,8 @@ def load_trace(config: ml_collections.ConfigDict,
       num_requests=settings.num_requests, arrival_rate=rate, prompt_len=settings.prompt_len,
       output_len=settings.output_len, vocab_size=config.model.vocab_size, seed=settings.seed,
       arrival_process=settings.arrival_process, priority=settings.priority,
-      lengths=workload.load_lengths_csv(settings.lengths_csv) if settings.lengths_csv else None)
+      lengths=workload.load_lengths_csv(settings.lengths_csv) if settings.lengths_csv else None,
+      shared_prefix=settings.shared_prefix)
 
 
 def prepare(config: ml_collections.ConfigDict,
@@ -323,7 +328,8 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
       seed=settings.seed,
       workload=dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
                     prompt_len=settings.prompt_len, output_len=settings.output_len,
-                    priority=settings.priority, trace=settings.trace,
+                    priority=settings.priority, shared_prefix=settings.shared_prefix,
+                    trace=settings.trace,
                     lengths_csv=settings.lengths_csv,
                     ignore_eos=settings.ignore_eos, max_tokens=settings.max_tokens,
                     observed=workload.summarize(trace)),
@@ -338,6 +344,13 @@ def _ms(value: float | None) -> str:
   return "n/a" if value is None or math.isnan(value) else f"{1e3 * value:,.1f} ms"
 
 
+def _prefix_line(cache: dict) -> str:
+  if not cache.get("enabled"):
+    return " (prefix caching off)"
+  return (f"; prefix cache hit {cache['hit_tokens']:,} of {cache['query_tokens']:,} "
+          f"({cache['hit_rate']:.1%}), {cache['evicted_pages']:,} pages evicted")
+
+
 def format_summary(summary: dict) -> str:
   p = summary["premises"]
   w = p["workload"]
@@ -347,7 +360,8 @@ def format_summary(summary: dict) -> str:
       f"  workload  {w['observed']['num_requests']} requests, rate {w['arrival_rate']}/s "
       f"({w['arrival_process']}), prompt {w['prompt_len']} (observed p50 "
       f"{w['observed']['prompt_len']['p50']:.0f}, max {w['observed']['prompt_len']['max']}), "
-      f"output {w['output_len']}",
+      f"output {w['output_len']}"
+      + (f", shared prefix {w['shared_prefix']}" if w.get("shared_prefix") else ""),
       f"  policy    prefill={p['policies']['prefill_policy']} chunk={p['policies']['chunk_size']} "
       f"budget={p['policies']['max_num_batched_tokens']} "
       f"preemption={p['policies']['preemption_mode']} "
@@ -380,6 +394,8 @@ def format_summary(summary: dict) -> str:
       f"{summary['output_tokens_per_s']:,.0f} generated tok/s over {summary['duration_s']:.2f} s",
       f"  goodput                  {summary['goodput_requests_per_s']:.2f} req/s "
       f"({summary['goodput_fraction']:.0%} of requests; SLO {summary['slo']})",
+      f"  prefill computed         {summary['prefill_tokens_computed']:,} tokens"
+      + _prefix_line(summary.get("prefix_cache", {})),
   ]
   waste = summary.get("kv_waste")
   if waste:

@@ -38,9 +38,11 @@ class FakeExecutor(Executor):
 
   Like a device it runs a step when it is submitted, in submission order: the swap
   copies (swap-outs first), then every scheduled sequence. For each it checks that
-  every cached position reads back `(request, position, token)` with the model's
-  token, that every token it is fed is the model's, and writes the computed
-  positions. A multi-step decode runs `num_steps` iterations, each fed the previous
+  every cached position reads back `(position, token, history)` with the model's
+  token and the history of every token up to it (what a position's keys and values
+  depend on, so a page shared by prefix caching passes exactly when it is right),
+  that every token it is fed is the model's, and writes the computed positions. A
+  multi-step decode runs `num_steps` iterations, each fed the previous
   one's sample. A token the host has not learned yet (`PLACEHOLDER`) is read from the
   previous launch's samples, as the jitted step reads its feed.
 
@@ -65,6 +67,7 @@ class FakeExecutor(Executor):
     self.num_fed_from_device = 0  # placeholders filled from the previous launch
     self._results: dict[int, Samples] = {}  # ticket -> samples, until collected
     self._feed: dict[str, int] = {}  # the last launch's samples: each request's last
+    self._histories: dict[tuple[Request, int], int] = {}
 
   @classmethod
   def for_pool(cls, pool: PagePool, **kwargs) -> "FakeExecutor":
@@ -131,18 +134,31 @@ class FakeExecutor(Executor):
     assert len(seq.page_ids) * self.page_size >= positions.stop, "pages too few"
     assert seq.num_steps == 1 or len(fed) == 1, "a multi-step sequence is one decode"
     for position in range(start):  # cached: must read back intact
-      assert self._slot(seq, position) == (
-          seq.request_id, position, expected_token(request, position, self.sample))
+      assert self._slot(seq, position) == self._cell(request, position), (
+          f"{seq.request_id}: position {position} reads {self._slot(seq, position)}")
     samples = []
     for index, position in enumerate(positions):
       token = fed[index] if index < len(fed) else samples[-1]
       assert token == expected_token(request, position, self.sample), (
           f"{seq.request_id} fed {token} at position {position}")
       page = self.device[seq.page_ids[position // self.page_size]]
-      page[position % self.page_size] = (seq.request_id, position, token)
+      page[position % self.page_size] = self._cell(request, position)
       if index >= len(fed) - 1:  # the last prompt token or a decode iteration samples
         samples.append(self.sample(seq.request_id, position))
     return samples
+
+  def _cell(self, request: Request, position: int) -> tuple[int, int, int]:
+    """What position `position` of `request` holds: the model's token there and a hash
+    of every token up to it."""
+    key = (request, position)
+    if key not in self._histories:
+      for p in range(position + 1):  # iteratively: no recursion on long sequences
+        if (request, p) not in self._histories:
+          parent = self._histories[(request, p - 1)] if p else 0
+          self._histories[(request, p)] = hash(
+              (parent, expected_token(request, p, self.sample)))
+    return (position, expected_token(request, position, self.sample),
+            self._histories[key])
 
   def _slot(self, seq: ScheduledSequence, position: int):
     return self.device[seq.page_ids[position // self.page_size]][position % self.page_size]

@@ -6,8 +6,8 @@ scheduling, one or several decode iterations per launch) and a traffic plan
 (arrivals with random lengths and priorities, stop tokens, aborts, resubmissions of a
 live request's id and reuse of an aborted one's), and runs it
 through an `Engine` over the tests' fake executor (`engine_utils.FakeExecutor`). The
-fake plays the device: it writes (request, position, token) into the KV slot of
-every computed token, performs the swap copies, and before each step checks that
+fake plays the device: it writes (position, token, history of the tokens up to it)
+into the KV slot of every computed token, performs the swap copies, and before each step checks that
 every earlier position of the sequence still reads back what was written, and that
 every token it is fed, placeholders of async scheduling included, is the model's.
 That catches any page handed to two requests, any swap that lost a page, any
@@ -43,25 +43,37 @@ STOP_TOKEN = 0
 
 
 def check_pages(scheduler: Scheduler) -> None:
-  """free + owned = total, no page owned twice, ref counts >= 0, tables match requests."""
+  """free + owned = total; each page's ref count is its owners (prefix caching shares
+  pages, never a free one); tables match requests; named pages are owned or evictable."""
   bm = scheduler.page_pool
   for tables, free, refs, total in (
       (bm.page_tables(), bm.free_page_ids(), bm.ref_counts(), range(1, bm.num_pages)),
       (bm.host_page_tables(), bm.free_host_page_ids(), bm.host_ref_counts(),
        range(bm.num_host_pages))):
-    owned = [page for pages in tables.values() for page in pages]
-    assert len(owned) == len(set(owned)), "a page is owned by two requests"
-    assert sorted(owned + free) == list(total), "free + owned != total"
-    assert (refs >= 0).all() and refs[owned].tolist() == [1] * len(owned)
+    owners = collections.Counter(page for pages in tables.values() for page in pages)
+    for pages in tables.values():
+      assert len(pages) == len(set(pages)), "a page twice in one table"
+    assert sorted(list(owners) + free) == list(total), "free + owned != total"
+    assert all(refs[page] == count for page, count in owners.items()), "ref count != owners"
+    assert (refs[free] == 0).all() and (refs >= 0).all()
   assert bm.ref_counts()[NULL_PAGE] == 0 and 0 <= bm.usage <= 1
+  named = bm.prefix.named_pages() if bm.prefix is not None else {}
+  assert len(set(named.values())) == len(named), "two pages under one name"
+  assert bm.num_evictable_pages == sum(1 for page in named if bm.ref_counts()[page] == 0)
+  if bm.prefix is None:  # without prefix caching no page is ever shared
+    assert all(count == 1 for count in collections.Counter(
+        page for pages in bm.page_tables().values() for page in pages).values())
   live = {rid: r for rid, r in scheduler.requests.items()}
-  assert set(bm.page_tables()) <= {rid for rid, r in live.items()
-                                   if r.status is RequestStatus.RUNNING}
+  assert set(bm.page_tables()) <= {rid for rid, r in live.items() if r.status in (
+      RequestStatus.RUNNING, RequestStatus.SWAPPED)}
   assert set(bm.host_page_tables()) <= {rid for rid, r in live.items()
                                         if r.status is RequestStatus.SWAPPED}
   for request in scheduler.running:
     assert request.page_ids == bm.page_table(request.request_id)
     assert len(request.page_ids) * bm.page_size >= request.num_computed_tokens
+  for request in scheduler.swapped:  # only shared leading pages stay on the device
+    assert request.page_ids == bm.page_table(request.request_id)
+    assert all(bm.ref_counts()[page] >= 1 for page in request.page_ids)
   for request in scheduler.waiting:
     assert request.page_ids == [] and request.status is RequestStatus.WAITING
   assert scheduler.num_running <= scheduler.config.max_num_seqs
@@ -92,7 +104,11 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput,
                                    + pending_before.get(request, 0))
     assert request.num_sampled <= request.sampling.max_tokens  # no token past the end
     if config.prefill_policy == "none" and seq.is_prefill:
-      assert seq.start_position == 0 and seq.samples  # whole prompts only
+      # Whole prompts only, from the start or from a cached prefix's last whole page.
+      page_size = scheduler.page_pool.page_size
+      cached = scheduler.page_pool.prefix is not None
+      assert seq.samples and (seq.start_position == 0
+                              or (cached and seq.start_position % page_size == 0))
     if config.prefill_policy == "chunked" and config.chunk_size:
       assert len(seq.token_ids) <= config.chunk_size
     if seq.num_steps > 1:  # multi-step: decodes only, within the launch's iterations
@@ -154,9 +170,10 @@ def make_scheduler(draw, policy: str, mode: str, loop: tuple[bool, int] | None =
       async_scheduling=async_scheduling, num_decode_steps=num_decode_steps)
   page_size = pick.choice([1, 2, 4, 8])
   num_pages = 1 + pick.integer(24, 128) // page_size  # 24 to 128 tokens of KV
+  # Every prompt is [5] * n (`submit`): with prefix caching, full pages are shared a lot.
   return Scheduler(config, num_pages=num_pages, page_size=page_size,
                    max_model_len=MAX_MODEL_LEN, num_host_pages=pick.integer(0, 24),
-                   clock=lambda: 0.0)
+                   clock=lambda: 0.0, prefix_caching=pick.choice([False, True]))
 
 
 def heavy_plan(seed: int, num_steps: int = 30) -> list:
@@ -259,6 +276,7 @@ def check_drained(scheduler: Scheduler, admitted: list[Request],
   """Idle: every page is back (device and host) and every request ended for a good reason."""
   bm = scheduler.page_pool
   assert bm.num_free_pages == bm.num_usable_pages and bm.num_free_host_pages == bm.num_host_pages
+  assert bm.num_evictable_pages == bm.num_cached_pages  # every named page free, none lost
   assert scheduler.stats()["num_backlog_pages"] == 0
   mode = scheduler.config.preemption_mode
   for request in admitted:
@@ -355,7 +373,7 @@ def test_an_id_reused_while_its_earlier_request_is_in_flight():
   """Found by the test above (seed 311, one running slot, async): request r13-19 stops
   while its next step is in flight, and a new request reusing the id is scheduled in
   the step after; its pending count is its own, not the earlier request's."""
-  knobs = iter([1, 64, 0, 1, 0.0, "running_mean", 1, 1, 24, 0])
+  knobs = iter([1, 64, 0, 1, 0.0, "running_mean", 1, 1, 24, 0, False])
   scheduler = make_scheduler(lambda strategy: next(knobs), "none", "swap", (True, 1))
   run_traffic(scheduler, heavy_plan(311), 311)
   assert scheduler.page_pool.num_free_pages == scheduler.page_pool.num_usable_pages

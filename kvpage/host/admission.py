@@ -23,7 +23,9 @@ The free pages below the watermark are what running requests grow into; refusing
 the door is what keeps them from being preempted later. Expected output length is a
 policy: the request's `max_tokens` (the most cautious), a fixed number, or the
 running mean of finished outputs (overcommits on purpose and lets preemption absorb
-the tail, the bet vLLM makes, SOSP'23 section 4.5). Only requests that hold no pages
+the tail, the bet vLLM makes, SOSP'23 section 4.5). With prefix caching, the pages a
+request would share with running requests are not counted: admission counts what is
+really new. Only requests that hold no pages
 yet are counted at their estimate: once running, a request counts the pages it holds,
 and its further growth is what the watermark's free pages are for. Under sustained
 load of long outputs that buffer can run out, and preemption takes over; reserving
@@ -46,6 +48,7 @@ import dataclasses
 
 import ml_collections
 
+from kvpage.host import prefix_cache
 from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
 from kvpage.host.request import Request
@@ -105,9 +108,18 @@ class AdmissionControl:
     return min(max_tokens, max(expected, request.num_output_tokens + 1))
 
   def estimate_pages(self, request: Request) -> int:
-    """Pages `request` is expected to hold at its peak."""
+    """New pages `request` is expected to take at its peak: the pages its tokens fill,
+    less the cached prefix pages it would share with running requests (prefix caching:
+    those cost no free page; a cached page nobody holds is free already, and taking
+    it back costs one)."""
+    pool = self.page_pool
     tokens = request.num_prompt_tokens + self.expected_output_tokens(request)
-    return self.page_pool.pages_for(tokens)
+    pages = pool.pages_for(tokens)
+    if pool.prefix is None or request.num_output_tokens:
+      return pages
+    max_pages = (request.num_prompt_tokens - 1) // pool.page_size
+    hashes = prefix_cache.request_hashes(request, max_pages * pool.page_size, pool.page_size)
+    return pages - pool.num_shared(pool.cached_prefix(hashes, max_pages))
 
   def decide(self, request: Request, now: float, queues: Queues) -> Admission:
     """400, 503, 429 or 200 for an arriving request (see the module docstring); the

@@ -100,6 +100,9 @@ class Request:
   events: list[Event] = dataclasses.field(default_factory=list)
   num_preemptions: int = 0
   admission_index: int = -1  # order of admission: breaks priority ties, newest first
+  # Chain hashes of its full pages of known tokens (`kvpage.host.prefix_cache`), as
+  # far as prefix caching has needed them.
+  page_hashes: list[bytes] = dataclasses.field(default_factory=list)
 
   def __post_init__(self) -> None:
     self.prompt_ids = list(self.prompt_ids)

@@ -54,7 +54,7 @@ from typing import Any, cast
 
 import ml_collections
 
-from kvpage.host import multi_step, scheduler_config
+from kvpage.host import multi_step, prefix_cache, scheduler_config
 from kvpage.host.admission import TOO_MANY_REQUESTS, Admission, AdmissionControl
 from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
@@ -77,13 +77,14 @@ class Scheduler:
 
   def __init__(self, config: ml_collections.ConfigDict, *, num_pages: int, page_size: int,
                max_model_len: int, num_host_pages: int | None = None,
-               clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None):
+               clock: Callable[[], float] = time.monotonic, vocab_size: int | None = None,
+               prefix_caching: bool = False):
     scheduler_config.check(config, max_model_len)
     self.config = config
     self.max_model_len = max_model_len
     self.clock = clock
     host = config.num_host_pages if num_host_pages is None else num_host_pages
-    self.page_pool = PagePool(num_pages, page_size, host)
+    self.page_pool = PagePool(num_pages, page_size, host, prefix_caching=prefix_caching)
     self.admission = AdmissionControl(config, self.page_pool, max_model_len, vocab_size)
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
@@ -309,7 +310,23 @@ class Scheduler:
           self._finish(request, reason, now)
           finished.append(request)
           break
+    if self.page_pool.prefix is not None:
+      self._name_computed_pages(output)
     return finished
+
+  def _name_computed_pages(self, output: SchedulerOutput) -> None:
+    """Prefix caching: names the full pages of the step's requests whose tokens are all
+    known and whose keys and values launched steps have written (or are writing: a
+    later step that shares them runs after, in launch order)."""
+    page_size = self.page_pool.page_size
+    for seq in output.scheduled:
+      request = seq.request
+      if request.status is not _RUNNING:
+        continue  # finished or preempted since: its pages are not its own any more
+      known = request.num_prompt_tokens + request.num_output_tokens
+      num_pages = min(known, request.num_computed_tokens) // page_size
+      hashes = prefix_cache.request_hashes(request, num_pages * page_size, page_size)
+      self.page_pool.name_pages(request.request_id, hashes, num_pages)
 
   # Read-outs.
   @property
@@ -361,7 +378,11 @@ class Scheduler:
         num_backlog_pages=self.admission.num_backlog_pages, num_admitted=self._num_admitted,
         num_finished=self._num_finished, preemptions=dict(self._preemptions),
         num_preemptions=sum(self._preemptions.values()), rejections=dict(self._rejections),
-        num_rejections=sum(self._rejections.values()))
+        num_rejections=sum(self._rejections.values()),
+        prefix_caching=pool.prefix is not None, num_cached_pages=pool.num_cached_pages,
+        num_evictable_pages=pool.num_evictable_pages,
+        **({f"prefix_{k}": v for k, v in pool.prefix.stats.to_dict().items()}
+           if pool.prefix is not None else {}))
 
   # Internals: the three queues feeding the batch.
   def _schedule_running(self, out: SchedulerOutput, *, decodes: bool) -> None:
@@ -387,7 +408,8 @@ class Scheduler:
       request = min(self.swapped, key=importance)
       num_new = self._num_new_prefill(request)
       target = request.num_computed_tokens + num_new
-      extra = pool.pages_for(target) - len(request.host_page_ids)
+      # Beyond its host pages and the shared pages it kept on the device.
+      extra = pool.pages_for(target) - len(request.host_page_ids) - len(request.page_ids)
       if num_new == 0 or not pool.can_swap_in(request.request_id, extra):
         return
       out.swap_in.extend(pool.swap_in(request.request_id))
@@ -408,17 +430,34 @@ class Scheduler:
     pool = self.page_pool
     while self.waiting and len(self.running) < self.config.max_num_seqs and self._budget > 0:
       request = self.waiting[0]
+      hits = self._cached_prefix(request)
+      request.num_computed_tokens = len(hits) * pool.page_size  # computed by others
       num_new = self._num_new_prefill(request)
-      if num_new == 0 or not pool.can_allocate(num_new):
+      total = request.num_computed_tokens + num_new
+      if num_new == 0 or not pool.can_allocate(total, hits):
+        request.num_computed_tokens = 0
         return  # Head-of-line blocking keeps FCFS order fair.
       self.waiting.popleft()
       self.admission.remove_backlog(request)
-      request.page_ids = pool.allocate(request.request_id, num_new)
+      request.page_ids = pool.allocate(request.request_id, total, hits)
+      if pool.prefix is not None:
+        pool.prefix.stats.query_tokens += request.num_tokens
+        pool.prefix.stats.hit_tokens += request.num_computed_tokens
       request.status = _RUNNING
       self.running.append(request)
       request.log(self.clock(), "scheduled", num_computed_tokens=request.num_computed_tokens,
                   num_tokens=request.num_tokens)
       self._add(request, num_new)
+
+  def _cached_prefix(self, request: Request) -> list[int]:
+    """A waiting request's longest cached prefix, in whole pages, leaving at least its
+    last token to compute (its logits sample the next token)."""
+    pool = self.page_pool
+    if pool.prefix is None:
+      return []
+    max_pages = (request.num_tokens - 1) // pool.page_size
+    hashes = prefix_cache.request_hashes(request, max_pages * pool.page_size, pool.page_size)
+    return pool.cached_prefix(hashes, max_pages)
 
   def _num_new_prefill(self, request: Request) -> int:
     """Tokens to compute next for a request joining the batch; 0 if they do not fit."""
@@ -470,7 +509,7 @@ class Scheduler:
   def _swap_out(self, victim: Request, out: SchedulerOutput, now: float) -> None:
     """Swap preemption: its pages go to the host pool; it resumes before any waiting one."""
     out.swap_out.extend(self.page_pool.swap_out(victim.request_id))
-    victim.page_ids = []
+    victim.page_ids = self.page_pool.page_table(victim.request_id)  # shared pages it keeps
     victim.host_page_ids = self.page_pool.host_table(victim.request_id)
     victim.status = RequestStatus.SWAPPED
     victim.log(now, "swapped_out", num_pages=len(victim.host_page_ids))

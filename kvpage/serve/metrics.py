@@ -58,6 +58,14 @@ class ServerMetrics:
     self.waiting = gauge("num_requests_waiting", "Admitted requests waiting for a step.")
     self.swapped = gauge("num_requests_swapped", "Requests swapped out to host pages.")
     self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of usable KV pages in use (0-1).")
+    self.cached_pages = gauge("prefix_cache_pages", "KV pages named by the prefix cache.")
+    self.evictable_pages = gauge("prefix_cache_evictable_pages",
+                                 "Named KV pages no request holds: reusable, or evicted "
+                                 "for new tokens.")
+    self.prefix_queries = counter("prefix_cache_queries_total",
+                                  "Tokens looked up in the prefix cache (vLLM's name).")
+    self.prefix_hits = counter("prefix_cache_hits_total",
+                               "Of them, tokens found cached (their pages reused).")
     self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of ended requests.")
     self.generation_tokens = counter("generation_tokens_total", "Tokens generated.")
     self.rejections = counter("request_rejections_total",
@@ -81,6 +89,8 @@ class ServerMetrics:
     self.waiting.labels(self._model).set(stats["num_waiting"])
     self.swapped.labels(self._model).set(stats["num_swapped"])
     self.kv_usage.labels(self._model).set(stats["kv_usage"])
+    self.cached_pages.labels(self._model).set(stats["num_cached_pages"])
+    self.evictable_pages.labels(self._model).set(stats["num_evictable_pages"])
 
   # Fed by the engine thread.
   def on_step(self, output: Any, new_tokens: dict[str, list[int]],
@@ -92,6 +102,8 @@ class ServerMetrics:
     for mode, count in row["preemptions"].items():
       if count:
         self.preemptions.labels(self._model, mode).inc(count)
+    self.prefix_queries.labels(self._model).inc(row.get("prefix_query_tokens", 0))
+    self.prefix_hits.labels(self._model).inc(row.get("prefix_hit_tokens", 0))
     self.set_gauges()
 
   def ended(self, request: Request) -> None:

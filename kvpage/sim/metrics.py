@@ -103,7 +103,8 @@ class MetricsRecorder:
     self.requests: list[Request] = []
     self.steps: list[dict[str, Any]] = []
     self.token_times: dict[str, list[float]] = collections.defaultdict(list)
-    self._last = dict(preemptions={}, rejections={})
+    self._last: dict[str, Any] = dict(preemptions={}, rejections={}, prefix_query_tokens=0,
+                                      prefix_hit_tokens=0)
     self.start_time = clock()
 
   def track(self, request: Request) -> None:
@@ -137,6 +138,12 @@ class MetricsRecorder:
     for key in ("preemptions", "rejections"):
       row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
       self._last[key] = dict(stats[key])
+    if stats["prefix_caching"]:  # this step's lookups, and the cache's pages after it
+      for key in ("prefix_query_tokens", "prefix_hit_tokens"):
+        row[key] = stats[key] - self._last[key]
+        self._last[key] = stats[key]
+      row.update(num_cached_pages=stats["num_cached_pages"],
+                 num_evictable_pages=stats["num_evictable_pages"])
     if self.history:
       self.steps.append(row)
     for request_id, tokens in new_tokens.items():  # a multi-step decode's arrive together
@@ -182,6 +189,7 @@ class MetricsRecorder:
             and (slo_tpot_s is None or r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s)]
     rejections = {str(k): v for k, v in stats["rejections"].items()}
     computed = sum(s["prompt_tokens"] for s in self.steps)
+    hits = stats.get("prefix_hit_tokens", 0)
     return dict(
         num_requests=len(rows), num_admitted=stats["num_admitted"], num_finished=len(done),
         num_aborted=sum(r["finish_reason"] in ("aborted", "preempted") for r in rows),
@@ -200,9 +208,11 @@ class MetricsRecorder:
         output_tokens_per_s=sum(r["output_tokens"] for r in done) / duration,
         prefill_tokens_computed=computed,
         # Prefill computed again after recompute preemptions: beyond each scheduled
-        # request's prompt (computed once), what was thrown away and redone.
-        recomputed_tokens=max(0, computed - sum(r["prompt_tokens"] for r in rows
-                                                if r["queue_wait_s"] is not None)),
+        # request's prompt (computed once, or found in the prefix cache), what was thrown
+        # away and redone.
+        recomputed_tokens=max(0, computed + hits - sum(r["prompt_tokens"] for r in rows
+                                                       if r["queue_wait_s"] is not None)),
+        prefix_cache=_prefix_summary(stats),
         slo=dict(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s),
         goodput_requests_per_s=len(good) / duration,
         goodput_fraction=len(good) / len(rows) if rows else 0.0,
@@ -220,3 +230,13 @@ class MetricsRecorder:
     workdir.mkdir(parents=True, exist_ok=True)
     for name, text in self.files(summary).items():
       (workdir / name).write_text(text)
+
+
+def _prefix_summary(stats: dict[str, Any]) -> dict[str, Any]:
+  """The prefix cache's counters at the end of a run (`enabled` false: it was off)."""
+  if not stats.get("prefix_caching"):
+    return dict(enabled=False)
+  return dict(enabled=True, query_tokens=stats["prefix_query_tokens"],
+              hit_tokens=stats["prefix_hit_tokens"], hit_rate=stats["prefix_hit_rate"],
+              evicted_pages=stats["prefix_evicted_pages"],
+              cached_pages_at_end=stats["num_cached_pages"])

@@ -11,7 +11,10 @@ and output lengths, arriving on a seeded clock:
     (sigma 1, capped) or `lognormal:MEDIAN:MAX:SIGMA`, `mix:FRACTION:LONG:SHORT` (e.g.
     `mix:0.1:8000:50`: 10% long); or (prompt, output) pairs replayed in order from a CSV
     of a published trace (`load_lengths_csv`);
-  * priorities: `N` or `uniform:LO:HI` (lower value = more important).
+  * priorities: `N` or `uniform:LO:HI` (lower value = more important);
+  * shared prefixes: `TOKENS:GROUPS` puts one of GROUPS common prefixes of TOKENS tokens
+    (a system prompt, a few-shot preamble) before each prompt, the group drawn
+    uniformly; the drawn prompt length is then the unique suffix's.
 
 Traces save and load as JSONL (one request per line), so a run can be replayed
 exactly. Pure Python + numpy.
@@ -219,13 +222,33 @@ def arrival_times(rng: np.random.Generator, num: int, rate: float, process: str)
   return times
 
 
+def parse_shared_prefix(spec: str) -> tuple[int, int]:
+  """`"TOKENS:GROUPS"` -> (prefix tokens, number of prefixes); `""` -> (0, 0)."""
+  if not spec:
+    return 0, 0
+  parts = spec.split(":")
+  try:
+    tokens, groups = (int(part) for part in parts)
+  except ValueError:
+    raise ValueError(f"shared prefix {spec!r}: expected TOKENS:GROUPS, two integers "
+                     "(e.g. 1024:8)") from None
+  if not 1 <= tokens <= MAX_LENGTH or not 1 <= groups <= MAX_REQUESTS:
+    raise ValueError(f"shared prefix {spec!r}: TOKENS must be in [1, {MAX_LENGTH:,}] and "
+                     f"GROUPS in [1, {MAX_REQUESTS:,}]")
+  return tokens, groups
+
+
 def synthesize(*, num_requests: int, arrival_rate: float, prompt_len: str, output_len: str,
                vocab_size: int, seed: int, arrival_process: str = "poisson",
                priority: str = "0",
-               lengths: Sequence[tuple[int, int]] | None = None) -> list[TraceRequest]:
+               lengths: Sequence[tuple[int, int]] | None = None,
+               shared_prefix: str = "") -> list[TraceRequest]:
   """A seeded workload; the same arguments always give the same trace. `lengths`:
   (prompt, output) pairs that request i takes in order (row i modulo their number),
-  instead of drawing from `prompt_len` and `output_len`."""
+  instead of drawing from `prompt_len` and `output_len`. `shared_prefix`
+  (`TOKENS:GROUPS`): each prompt starts with one of GROUPS prefixes of TOKENS tokens,
+  drawn from a generator of their own, so the rest of the trace is the one drawn
+  without them."""
   if not 0 < num_requests <= MAX_REQUESTS:
     raise ValueError(f"num_requests must be in [1, {MAX_REQUESTS:,}], got {num_requests:,}")
   if vocab_size < 2:
@@ -235,6 +258,7 @@ def synthesize(*, num_requests: int, arrival_rate: float, prompt_len: str, outpu
   # Every spec is parsed before anything is drawn, so a bad one is named whatever
   # the order; the draws stay in the order that keeps traces reproducible.
   samplers = (parse_lengths(prompt_len), parse_lengths(output_len), parse_priorities(priority))
+  prefix_tokens, num_groups = parse_shared_prefix(shared_prefix)
   rng = np.random.default_rng(seed)
   times = arrival_times(rng, num_requests, arrival_rate, arrival_process)
   prompts, outputs, priorities = (sampler(rng, num_requests).astype(np.int64)
@@ -242,13 +266,21 @@ def synthesize(*, num_requests: int, arrival_rate: float, prompt_len: str, outpu
   if lengths:
     rows = np.array([lengths[i % len(lengths)] for i in range(num_requests)], np.int64)
     prompts, outputs = rows[:, 0], rows[:, 1]
-  total = int(prompts.sum())
+  total = int(prompts.sum()) + prefix_tokens * num_requests
   if total > MAX_TRACE_TOKENS:
     raise ValueError(f"the workload's prompts hold {total:,} tokens; a trace holds at most "
                      f"{MAX_TRACE_TOKENS:,} (fewer --num_requests or shorter --prompt_len)")
-  return [TraceRequest(f"req-{i}", float(times[i]),
-                       tuple(rng.integers(1, vocab_size, prompts[i]).tolist()),
-                       int(outputs[i]), int(priorities[i])) for i in range(num_requests)]
+  suffixes = [tuple(rng.integers(1, vocab_size, prompts[i]).tolist())
+              for i in range(num_requests)]
+  if prefix_tokens:
+    prefix_rng = np.random.default_rng([seed, 1])
+    prefixes = [tuple(prefix_rng.integers(1, vocab_size, prefix_tokens).tolist())
+                for _ in range(num_groups)]
+    groups = prefix_rng.integers(0, num_groups, num_requests)
+    suffixes = [prefixes[group] + suffix for group, suffix in zip(groups, suffixes,
+                                                                   strict=True)]
+  return [TraceRequest(f"req-{i}", float(times[i]), suffixes[i], int(outputs[i]),
+                       int(priorities[i])) for i in range(num_requests)]
 
 
 def to_jsonl(trace: Sequence[TraceRequest]) -> str:
