@@ -42,7 +42,8 @@ _TINY_PAGES = flags.DEFINE_integer("tiny_pages", 640, "KV pages of the real run'
 _SIM_REQUESTS = flags.DEFINE_integer("sim_requests", 800, "Requests of the 13B simulation.")
 _SIM_SUFFIX = flags.DEFINE_integer("sim_suffix", 256, "Unique suffix tokens (13B).")
 _SIM_OUTPUT = flags.DEFINE_integer("sim_output", 128, "Output tokens (13B).")
-_SIM_RATE = flags.DEFINE_string("sim_rate", "24", "Arrivals/s (13B).")
+_SIM_RATE = flags.DEFINE_string("sim_rate", "4",
+                                "Arrivals/s (13B): about what it serves without caching.")
 
 
 def run(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,

@@ -21,7 +21,7 @@ from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import cli
 from kvpage import units
-from kvpage.sim import capacity
+from kvpage.sim import capacity, workload
 
 _CONFIG = cli.define_config("configs/llama_13b.py",
                             "Model config file (`path.py` or `path.py:variant`).")
@@ -39,6 +39,9 @@ _RESERVE_GB = flags.DEFINE_float(
     "reserve_gb", 0.0, "Memory kept for activations/workspace (see --units).")
 _UNITS = flags.DEFINE_string("units", "gb", "`gb` = 10^9 bytes or `gib` = 2^30 bytes.")
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
+_SHARED_PREFIX = flags.DEFINE_string(
+    "shared_prefix", "", "TOKENS:GROUPS: every request starts with one of GROUPS prefixes of "
+    "TOKENS tokens (of its --seq_len); adds the requests that fit with prefix caching.")
 _TENSOR_PARALLEL = cli.define_tensor_parallel()
 
 UNIT_BYTES = {"gb": 10**9, "gib": 2**30}
@@ -83,7 +86,8 @@ def _row(label: str, values: list[str]) -> str:
 
 
 def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
-                  hardware: hardware_lib.HardwareSpec, unit: str) -> str:
+                  hardware: hardware_lib.HardwareSpec, unit: str,
+                  shared_prefix: tuple[int, int] = (0, 0)) -> str:
   """A table: premises first, then one column per plan."""
   first = next(iter(plans.values()))
   scale, unit_label = UNIT_BYTES[unit], {"gb": "GB = 10^9 bytes", "gib": "GiB = 2^30 bytes"}[unit]
@@ -119,6 +123,10 @@ def format_report(plans: dict[str, capacity.CapacityPlan], model_name: str,
        f"({p.page_waste_fraction:.1%})"),
       ("MAX CONCURRENT REQUESTS", lambda p: f"{p.max_concurrent_requests:,}"),
   ]
+  prefix_tokens, groups = shared_prefix
+  if groups:
+    rows.append((f"... SHARING {groups} PREFIX(ES) OF {prefix_tokens:,}",
+                 lambda p: f"{capacity.requests_with_shared_prefix(p, prefix_tokens, groups):,}"))
   lines += [_row(label, [fn(p) for p in plans.values()]) for label, fn in rows]
   return "\n".join(lines)
 
@@ -136,14 +144,21 @@ def main(argv: list[str]) -> None:
                       kv_dtype=kv_dtype, page_size=_PAGE_SIZE.value, unit=_UNITS.value,
                       memory_gb=_MEMORY_GB.value, weights_gb=_WEIGHTS_GB.value,
                       reserve_gb=_RESERVE_GB.value)
+  prefix_tokens, groups = workload.parse_shared_prefix(_SHARED_PREFIX.value)
   if _JSON.value:
     primary = plans.get("given", plans["exact"])
     record = dataclasses.asdict(primary)
     record.update(hardware=hardware.name, hardware_source=hardware.source,
                   units="bytes", scenarios={k: dataclasses.asdict(v) for k, v in plans.items()})
+    if groups:
+      record["shared_prefix"] = dict(
+          prefix_tokens=prefix_tokens, groups=groups,
+          max_concurrent_requests=capacity.requests_with_shared_prefix(
+              primary, prefix_tokens, groups))
     print(json.dumps(record, indent=2))
   else:
-    print(format_report(plans, config.model.name, hardware, _UNITS.value))
+    print(format_report(plans, config.model.name, hardware, _UNITS.value,
+                        (prefix_tokens, groups)))
 
 
 if __name__ == "__main__":

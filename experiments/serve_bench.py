@@ -55,6 +55,9 @@ flags.DEFINE_string("priority", "0", "N | uniform:LO:HI (lower = more important)
 flags.DEFINE_string("shared_prefix", "", "TOKENS:GROUPS: each prompt starts with one of "
                     "GROUPS common prefixes of TOKENS tokens (--prompt_len is then the unique "
                     "suffix's length); prefix caching (cache.prefix_caching) shares them.")
+flags.DEFINE_string("conversation", "", "TURNS:GAP_S: each request opens a conversation of "
+                    "TURNS turns GAP_S seconds apart, each turn's prompt the history so far "
+                    "(the earlier prompts, a reply per turn, a new user message).")
 flags.DEFINE_string("trace", None, "Replay this JSONL trace instead of synthesizing.")
 flags.DEFINE_string("lengths_csv", None, "(prompt, output) lengths, replayed in order from "
                     "a CSV (columns prompt_len, output_len or num_prefill_tokens, "
@@ -97,6 +100,7 @@ class BenchSettings:
   output_len: str = "uniform:16:128"
   priority: str = "0"
   shared_prefix: str = ""
+  conversation: str = ""
   trace: str | None = None
   lengths_csv: str | None = None
   checkpoint: str | None = None
@@ -165,12 +169,17 @@ def load_trace(config: ml_collections.ConfigDict,
     rate = float(settings.arrival_rate)
   except ValueError:
     raise ValueError(f"--arrival_rate={settings.arrival_rate!r} is not a number or inf") from None
-  return workload.synthesize(
+  trace = workload.synthesize(
       num_requests=settings.num_requests, arrival_rate=rate, prompt_len=settings.prompt_len,
       output_len=settings.output_len, vocab_size=config.model.vocab_size, seed=settings.seed,
       arrival_process=settings.arrival_process, priority=settings.priority,
       lengths=workload.load_lengths_csv(settings.lengths_csv) if settings.lengths_csv else None,
       shared_prefix=settings.shared_prefix)
+  turns, gap_s = workload.parse_conversation(settings.conversation)
+  if turns == 1:
+    return trace
+  return workload.conversations(trace, turns=turns, gap_s=gap_s,
+                                vocab_size=config.model.vocab_size, seed=settings.seed)
 
 
 def prepare(config: ml_collections.ConfigDict,
@@ -329,6 +338,7 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
       workload=dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
                     prompt_len=settings.prompt_len, output_len=settings.output_len,
                     priority=settings.priority, shared_prefix=settings.shared_prefix,
+                    conversation=settings.conversation,
                     trace=settings.trace,
                     lengths_csv=settings.lengths_csv,
                     ignore_eos=settings.ignore_eos, max_tokens=settings.max_tokens,
@@ -361,7 +371,8 @@ def format_summary(summary: dict) -> str:
       f"({w['arrival_process']}), prompt {w['prompt_len']} (observed p50 "
       f"{w['observed']['prompt_len']['p50']:.0f}, max {w['observed']['prompt_len']['max']}), "
       f"output {w['output_len']}"
-      + (f", shared prefix {w['shared_prefix']}" if w.get("shared_prefix") else ""),
+      + (f", shared prefix {w['shared_prefix']}" if w.get("shared_prefix") else "")
+      + (f", conversations {w['conversation']} (turns:gap s)" if w.get("conversation") else ""),
       f"  policy    prefill={p['policies']['prefill_policy']} chunk={p['policies']['chunk_size']} "
       f"budget={p['policies']['max_num_batched_tokens']} "
       f"preemption={p['policies']['preemption_mode']} "

@@ -5,13 +5,18 @@ reads against the tokens that lead to it, so a wrongly shared page fails there; 
 real tiny model's greedy tokens must not change with caching on.
 """
 
+import json
+import pathlib
 import random
+import subprocess
+import sys
 
 import pytest
 import tiny_config
 from engine_utils import FakeExecutor
 from test_scheduler_traffic import Pick, check_pages, heavy_plan, make_scheduler, run_traffic
 
+from configs import llama_13b
 from configs import scheduler as scheduler_lib
 from experiments import build
 from kvpage.host import prefix_cache
@@ -19,8 +24,12 @@ from kvpage.host.engine import Engine
 from kvpage.host.pages import PagePool
 from kvpage.host.request import SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.serve.metrics import ServerMetrics
+from kvpage.sim import capacity, workload
+from kvpage.sim.metrics import MetricsRecorder
 from models import llama
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 PAGE = 4
 
 
@@ -218,3 +227,86 @@ def test_greedy_tokens_do_not_change_with_prefix_caching(mode, async_scheduling,
       assert off[:shorter] == on[:shorter]
     else:
       assert off == on and len(on) == 16
+
+
+def test_metrics_report_lookups_hits_and_cached_pages():
+  engine = _fake_engine()
+  recorder = MetricsRecorder(engine.scheduler, lambda: 0.0)
+  server = ServerMetrics(engine.scheduler, lambda: 0.0, "fake")
+
+  def on_step(*args):
+    recorder.on_step(*args)
+    server.on_step(*args)
+
+  engine.on_step = on_step
+  prompt = list(range(1, 41))
+  for _ in range(2):  # the second finds the first's prompt pages
+    recorder.track(engine.add_request(prompt, SamplingParams(max_tokens=4,
+                                                             ignore_eos=True))[0])
+    engine.run_until_done()
+  summary = recorder.summary({})
+  assert summary["prefix_cache"]["hit_tokens"] == 36
+  assert summary["prefix_cache"]["query_tokens"] == 80
+  assert summary["prefill_tokens_computed"] == 44 and summary["recomputed_tokens"] == 0
+  assert sum(row.get("prefix_hit_tokens", 0) for row in recorder.steps) == 36
+  assert recorder.steps[-1]["num_cached_pages"] == engine.scheduler.page_pool.num_cached_pages
+  text = server.render().decode()
+  assert 'kvpage:prefix_cache_hits_total{model_name="fake"} 36.0' in text
+  assert 'kvpage:prefix_cache_queries_total{model_name="fake"} 80.0' in text
+  assert "kvpage:prefix_cache_evictable_pages" in text
+
+
+def test_a_shared_prefix_workload_puts_one_of_the_prefixes_before_each_prompt():
+  common = dict(num_requests=40, arrival_rate=10.0, prompt_len="uniform:3:9", output_len="4",
+                vocab_size=500, seed=3)
+  plain = workload.synthesize(**common)
+  shared = workload.synthesize(**common, shared_prefix="32:3")
+  assert shared == workload.synthesize(**common, shared_prefix="32:3")  # seeded
+  prefixes = {item.prompt_ids[:32] for item in shared}
+  assert len(prefixes) == 3
+  for before, after in zip(plain, shared, strict=True):  # the rest of the trace unchanged
+    assert after.prompt_ids[32:] == before.prompt_ids
+    assert (after.arrival_time, after.output_len) == (before.arrival_time, before.output_len)
+  for spec in ("32", "a:b", "0:3", "32:0"):
+    with pytest.raises(ValueError, match="shared prefix"):
+      workload.synthesize(**common, shared_prefix=spec)
+
+
+def test_the_capacity_report_counts_shared_prefix_pages_once():
+  model = capacity.ModelShape.from_config(llama_13b.get_config().model)
+  plan = capacity.plan(model, seq_len=1536, memory_bytes=80 * 2**30, weight_dtype="fp16",
+                       kv_dtype="fp16", page_size=16)
+  shared = 1024 // 16
+  expected = (plan.pool_pages - 8 * shared) // (plan.pages_per_request - shared)
+  assert capacity.requests_with_shared_prefix(plan, 1024, 8) == expected
+  assert expected > 2 * plan.max_concurrent_requests
+  # A prefix as long as the request still leaves its last token to compute.
+  assert capacity.requests_with_shared_prefix(plan, 1536, 1) == (
+      plan.pool_pages - 95) // 1
+  result = subprocess.run([sys.executable, "-m", "experiments.capacity", "--seq_len=1536",
+                           "--shared_prefix=1024:8", "--json"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+  record = json.loads(result.stdout)
+  assert record["shared_prefix"]["max_concurrent_requests"] > 2 * record[
+      "max_concurrent_requests"]
+
+
+def test_a_conversation_turn_repeats_the_whole_history_before_its_new_message():
+  trace = workload.synthesize(num_requests=5, arrival_rate=2.0, prompt_len="uniform:4:12",
+                              output_len="uniform:2:6", vocab_size=300, seed=1)
+  turns = workload.conversations(trace, turns=3, gap_s=1.5, vocab_size=300, seed=1)
+  assert turns == workload.conversations(trace, turns=3, gap_s=1.5, vocab_size=300, seed=1)
+  assert len(turns) == 15 and [t.arrival_time for t in turns] == sorted(
+      t.arrival_time for t in turns)
+  by_id = {t.request_id: t for t in turns}
+  for item in trace:
+    first, second, third = (by_id[f"{item.request_id}-turn{k}"] for k in range(3))
+    assert first.prompt_ids == item.prompt_ids and second.arrival_time == item.arrival_time + 1.5
+    opening, output = len(item.prompt_ids), item.output_len
+    assert second.prompt_ids[:opening] == item.prompt_ids
+    assert len(second.prompt_ids) == 2 * opening + output
+    assert third.prompt_ids[:len(second.prompt_ids)] == second.prompt_ids
+  for spec in ("3", "x:1", "0:1", "2:-1"):
+    with pytest.raises(ValueError, match="conversation"):
+      workload.parse_conversation(spec)

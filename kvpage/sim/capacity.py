@@ -281,3 +281,16 @@ def fragmentation(lengths: Sequence[int], *, max_len: int,
       contiguous_reserved_bytes=contiguous * kv_bytes_per_token,
       paged_utilization=used / paged, contiguous_utilization=used / contiguous,
       paged_waste=1 - used / paged, contiguous_waste=1 - used / contiguous)
+
+
+def requests_with_shared_prefix(capacity_plan: CapacityPlan, prefix_tokens: int,
+                                num_groups: int) -> int:
+  """Requests that fit at once when each starts with one of `num_groups` prefixes of
+  `prefix_tokens` tokens and prefix caching holds each prefix's full pages once: the
+  pool less the groups' shared pages, over the pages each request adds (its last
+  prompt token is computed anew, so at most `seq_len - 1` tokens are shared)."""
+  page_size = capacity_plan.page_size
+  shared = min(prefix_tokens, capacity_plan.seq_len - 1) // page_size
+  own = capacity_plan.pages_per_request - shared
+  free = capacity_plan.pool_pages - num_groups * shared
+  return max(0, free // own) if free > 0 else 0

@@ -14,7 +14,9 @@ and output lengths, arriving on a seeded clock:
   * priorities: `N` or `uniform:LO:HI` (lower value = more important);
   * shared prefixes: `TOKENS:GROUPS` puts one of GROUPS common prefixes of TOKENS tokens
     (a system prompt, a few-shot preamble) before each prompt, the group drawn
-    uniformly; the drawn prompt length is then the unique suffix's.
+    uniformly; the drawn prompt length is then the unique suffix's;
+  * conversations: `TURNS:GAP_S` turns each request into a multi-turn conversation,
+    each turn's prompt the whole history so far (`conversations`).
 
 Traces save and load as JSONL (one request per line), so a run can be replayed
 exactly. Pure Python + numpy.
@@ -281,6 +283,46 @@ def synthesize(*, num_requests: int, arrival_rate: float, prompt_len: str, outpu
                                                                    strict=True)]
   return [TraceRequest(f"req-{i}", float(times[i]), suffixes[i], int(outputs[i]),
                        int(priorities[i])) for i in range(num_requests)]
+
+
+def parse_conversation(spec: str) -> tuple[int, float]:
+  """`"TURNS:GAP_S"` -> (turns per conversation, seconds between turns); `""` -> (1, 0)."""
+  if not spec:
+    return 1, 0.0
+  try:
+    turns_text, gap_text = spec.split(":")
+    turns, gap = int(turns_text), float(gap_text)
+  except ValueError:
+    raise ValueError(f"conversation {spec!r}: expected TURNS:GAP_S (e.g. 4:2.5)") from None
+  if not 1 <= turns <= 1000 or not 0 <= gap <= MAX_ARRIVAL_S:  # NaN fails too
+    raise ValueError(f"conversation {spec!r}: TURNS must be in [1, 1000] and GAP_S in "
+                     f"[0, {MAX_ARRIVAL_S:g}] seconds")
+  return turns, gap
+
+
+def conversations(trace: Sequence[TraceRequest], *, turns: int, gap_s: float,
+                  vocab_size: int, seed: int) -> list[TraceRequest]:
+  """Each request of `trace` opens a conversation of `turns` turns, `gap_s` apart: turn
+  k's prompt is turn k-1's, then a reply of its output length, then a new user message
+  as long as the opening prompt (tokens drawn from a generator of their own). The
+  reply stands for the model's answer, as a recorded conversation's does when it is
+  replayed (vLLM's multi-turn benchmark does the same), so a turn finds the previous
+  turn's prompt pages in the prefix cache, not its real answer's. Sorted by arrival."""
+  rng = np.random.default_rng([seed, 2])
+  out = []
+  for item in trace:
+    history = item.prompt_ids
+    for turn in range(turns):
+      out.append(TraceRequest(f"{item.request_id}-turn{turn}", item.arrival_time + turn * gap_s,
+                              history, item.output_len, item.priority))
+      reply = rng.integers(1, vocab_size, item.output_len)
+      user = rng.integers(1, vocab_size, len(item.prompt_ids))
+      history = history + tuple(np.concatenate([reply, user]).tolist())
+  total = sum(len(item.prompt_ids) for item in out)
+  if total > MAX_TRACE_TOKENS:
+    raise ValueError(f"the conversations' prompts hold {total:,} tokens; a trace holds at "
+                     f"most {MAX_TRACE_TOKENS:,} (fewer turns or requests)")
+  return sorted(out, key=lambda item: item.arrival_time)
 
 
 def to_jsonl(trace: Sequence[TraceRequest]) -> str:
