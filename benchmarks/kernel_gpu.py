@@ -6,8 +6,9 @@ r"""kvpage's Pallas paged-attention kernels on a GPU: check them, then time deco
 One run, three parts, each printed and written to one JSON record with its premises
 (device, JAX/jaxlib versions, dtype, shapes, page size, repeats):
 
-1. **Correctness on the device.** Each kernel (`decode_attention`, `ragged_attention`,
-   and the `paged_attention` entry point that dispatches between them) against
+1. **Correctness on the device.** Each kernel (`decode_attention`, `mosaic_decode` (the
+   Mosaic GPU decode kernel), `ragged_attention`, and the `paged_attention` entry point
+   that dispatches between them) against
    `kvpage.device.attention.reference.ragged_paged_attention` on random ragged batches with permuted
    pages, partial last pages and lengths 1/3/17/513, in bf16 and fp32. The oracle
    runs in fp32 at "highest" matmul precision (XLA on GPU would otherwise use TF32).
@@ -16,8 +17,8 @@ One run, three parts, each printed and written to one JSON record with its premi
    moved (read + write) / median time is the practical HBM ceiling of this run.
 3. **Decode timing.** Batch x context cells (default 1/8/64/256 x 512/4096/32768,
    32 query heads, 8 KV heads, head_dim 128, bf16, page size 16, randomly permuted
-   pages). Per cell, the median of `--repeats` calls after warm-up of: the decode
-   kernel; the reference gather path; JAX's own
+   pages). Per cell, the median of `--repeats` calls after warm-up of: the Triton
+   decode kernel; the Mosaic GPU decode kernel; the reference gather path; JAX's own
    `jax.experimental.pallas.ops.gpu.paged_attention` ("n/a: <reason>" where it no
    longer runs). Achieved bandwidth = KV bytes the step must read / time, shown
    against the copy bandwidth. Cells that do not fit device memory, or that start
@@ -43,6 +44,7 @@ from experiments import cli
 from kvpage.device.attention import pallas as paged_attention
 from kvpage.device.attention import reference
 from kvpage.device.attention.pallas import decode as decode_attention
+from kvpage.device.attention.pallas import mosaic_decode
 from kvpage.device.attention.pallas import ragged as ragged_attention
 from kvpage.sim import premises
 
@@ -100,6 +102,11 @@ def random_case(seqs, num_heads, num_kv_heads, head_dim, page_size, rng):
       query_start_loc=np.concatenate([[0], np.cumsum([q for _, q in seqs])]).astype(np.int32))
 
 
+# Timed decode implementations: the Triton kernel, the Mosaic GPU kernel, the reference,
+# and JAX's own Pallas GPU paged attention.
+IMPLEMENTATIONS = ("pallas_decode", "mosaic_decode", "reference", "jax_pallas_gpu")
+
+
 def kernel_calls(interpret: bool) -> dict:
   """The kernels under test, each with the reference's calling convention."""
 
@@ -109,7 +116,13 @@ def kernel_calls(interpret: bool) -> dict:
         q[:-1], k, v, page_tables=page_tables, context_lens=context_lens,
         interpret=interpret)
 
-  return {"decode_attention": ("decode", decode),
+  def mosaic(q, k, v, *, page_tables, context_lens, query_start_loc):
+    del query_start_loc  # as `decode`
+    return mosaic_decode.paged_decode_attention(
+        q[:-1], k, v, page_tables=page_tables, context_lens=context_lens,
+        interpret=interpret)
+
+  return {"decode_attention": ("decode", decode), "mosaic_decode": ("decode", mosaic),
           "ragged_attention": ("mixed", functools.partial(
               ragged_attention.ragged_mixed_attention, interpret=interpret)),
           "paged_attention(decode)": ("decode", functools.partial(
@@ -204,13 +217,16 @@ def time_cell(batch: int, context: int, shape: dict, dtype, interpret: bool,
   oracle = jax.jit(reference.ragged_paged_attention)
   qsl = jnp.arange(batch + 1, dtype=jnp.int32)
   q, k, v, bt, cl = inputs.values()
+  mosaic = jax.jit(functools.partial(mosaic_decode.paged_decode_attention,
+                                     interpret=interpret))
   calls = {"pallas_decode": lambda: decode(q, k, v, page_tables=bt, context_lens=cl),
+           "mosaic_decode": lambda: mosaic(q, k, v, page_tables=bt, context_lens=cl),
            "reference": lambda: oracle(q, k, v, page_tables=bt, context_lens=cl,
                                        query_start_loc=qsl)}
   kv_bytes = 2 * batch * context * shape["num_kv_heads"] * shape["head_dim"] * jnp.dtype(
       dtype).itemsize
   row = dict(batch=batch, context=context, kv_bytes=kv_bytes)
-  for name in ("pallas_decode", "reference", "jax_pallas_gpu"):
+  for name in IMPLEMENTATIONS:
     try:
       call = calls[name] if name in calls else jax_op_call(inputs, interpret)
       stats = timing.time_call(lambda call=call: call().block_until_ready(), repeats=repeats,
@@ -237,7 +253,7 @@ def fits_in_memory(batch: int, context: int, shape: dict, itemsize: int) -> str 
 
 def print_cell(row: dict, copy_gb_per_s: float) -> None:
   cells = []
-  for name in ("pallas_decode", "reference", "jax_pallas_gpu"):
+  for name in IMPLEMENTATIONS:
     result = row.get(name)
     if isinstance(result, dict):
       cells.append(f"{result['median_s'] * 1e3:>9.3f} ms {result['gb_per_s']:>8.1f} GB/s "
@@ -265,8 +281,8 @@ def main(argv: list[str]) -> None:
     copy = copy_bandwidth(setting("copy_mib"), repeats, warmup)
     print(f"2. device-to-device copy: {copy['gb_per_s']:.1f} GB/s (read + write)")
     print(f"3. decode, median of {repeats}; GB/s = KV bytes read / time (% of copy)\n"
-          f"{'batch':>6} {'context':>7} {'KV MiB':>10}  {'pallas_decode':<38} | "
-          f"{'reference':<38} | jax_pallas_gpu")
+          f"{'batch':>6} {'context':>7} {'KV MiB':>10}  "
+          + " | ".join(f"{name:<38}" for name in IMPLEMENTATIONS))
     cells = []
     for batch in map(int, setting("batches")):
       for context in map(int, setting("contexts")):

@@ -14,12 +14,15 @@ every real step, traced inside the jitted step) with the reference, through a
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import tiny_config
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from configs import scheduler as scheduler_lib
 from experiments import build
 from kvpage.device.attention import pallas as paged_attention
 from kvpage.device.attention import reference
+from kvpage.device.attention.pallas import mosaic_decode
 from kvpage.host.request import SamplingParams
 from models import llama
 
@@ -47,9 +50,10 @@ def test_pallas_and_reference_generate_the_same_greedy_tokens(monkeypatch):
   traces, errors = [], []
   kernel_entry = paged_attention.ragged_paged_attention
 
-  def checked_entry(*args, interpret, **kwargs):
+  def checked_entry(*args, interpret, decode_kernel, **kwargs):
     traces.append(interpret)
-    out = kernel_entry(*args, interpret=interpret, **kwargs)
+    assert decode_kernel == "triton"
+    out = kernel_entry(*args, interpret=interpret, decode_kernel=decode_kernel, **kwargs)
     expected = reference.ragged_paged_attention(*args, **kwargs)
     error = jnp.max(jnp.abs(out - expected)) / jnp.maximum(jnp.max(jnp.abs(expected)), 1e-30)
     jax.debug.callback(lambda e: errors.append(float(e)), error)
@@ -64,4 +68,32 @@ def test_pallas_and_reference_generate_the_same_greedy_tokens(monkeypatch):
   assert len(errors) >= num_layers * NUM_NEW_TOKENS  # every layer of every step
   assert np.max(errors) < 1e-5  # the tiny model is fp32
   assert [len(tokens) for tokens in expected] == [NUM_NEW_TOKENS] * len(PROMPTS)
+  assert actual == expected
+
+
+@pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
+                    reason="Mosaic GPU's interpreter needs jax >= 0.11.2")
+def test_the_mosaic_decode_kernel_generates_the_same_greedy_tokens(monkeypatch):
+  """`attention_impl=mosaic`: decode-only steps on the Mosaic GPU kernel (mixed steps
+  stay on the Triton ragged kernel), every call checked against the reference."""
+  decode_calls, errors = [], []
+  kernel = mosaic_decode.paged_decode_attention
+
+  def checked(q, k_pages, v_pages, **kwargs):
+    decode_calls.append(kwargs["interpret"])
+    out = kernel(q, k_pages, v_pages, **kwargs)
+    lens = kwargs["context_lens"]
+    expected = reference.ragged_paged_attention(
+        q, k_pages, v_pages, page_tables=kwargs["page_tables"], context_lens=lens,
+        query_start_loc=jnp.arange(q.shape[0] + 1, dtype=jnp.int32))
+    expected = jnp.where((lens > 0)[:, None, None], expected, 0)
+    error = jnp.max(jnp.abs(out - expected)) / jnp.maximum(jnp.max(jnp.abs(expected)), 1e-30)
+    jax.debug.callback(lambda e: errors.append(float(e)), error)
+    return out
+
+  monkeypatch.setattr(mosaic_decode, "paged_decode_attention", checked)
+  expected = greedy_tokens("reference", chunk_size=8)
+  actual = greedy_tokens("mosaic", chunk_size=8)
+  assert decode_calls and all(decode_calls), "decode steps must run the Mosaic kernel"
+  assert errors and np.max(errors) < 1e-5
   assert actual == expected

@@ -9,7 +9,9 @@ new tokens over a paged KV cache (the contract is written out in `reference.py`)
     steps and `ragged_blocked_attention` (by query blocks) for any step; both read one
     layer straight out of the whole cache.
   * `pallas/`: the GPU kernels (Flash-Decoding, and query blocks for mixed steps),
-    behind one entry, `pallas.ragged_paged_attention`.
+    behind one entry, `pallas.ragged_paged_attention`; `mosaic` is the same entry with
+    the Mosaic GPU decode kernel (`pallas/mosaic_decode.py`, jax >= 0.11.2) for
+    decode-only steps, Triton for mixed ones, until a GPU measures both.
 
 A model calls only `attention(impl, ...)`, with the whole cache and its layer, so the
 choice among implementations and their calling conventions lives here.
@@ -21,7 +23,7 @@ from kvpage.device import sharding
 from kvpage.device.attention import reference, xla
 from kvpage.device.sharding import TensorParallel
 
-ATTENTION_IMPLS = ("xla", "reference", "pallas")
+ATTENTION_IMPLS = ("xla", "reference", "pallas", "mosaic")
 
 
 def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, layer: int,
@@ -31,7 +33,8 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
 
   Args:
     impl: one of `ATTENTION_IMPLS`: `xla` (the fast XLA paths), `reference` (the
-      oracle) or `pallas` (the kernels; interpreted when JAX's backend is the CPU).
+      oracle), `pallas` (the Triton kernels) or `mosaic` (the Mosaic GPU decode
+      kernel); the kernels are interpreted when JAX's backend is the CPU.
     q: `[num_tokens, num_heads, head_dim]`, in the cache's dtype.
     k_pages, v_pages: the whole cache, `[num_layers, num_kv_heads, num_pages,
       page_size, head_dim]`; `xla` reads layer `layer` in place, the others a slice.
@@ -72,10 +75,12 @@ def _attention(impl, q, k_pages, v_pages, *, layer, page_tables, context_lens, q
   if impl == "reference":
     return reference.ragged_paged_attention(q, k_pages[layer], v_pages[layer], **lengths,
                                             query_start_loc=query_start_loc)
-  if impl == "pallas":
+  if impl in ("pallas", "mosaic"):
     from kvpage.device.attention import pallas  # Imported only when chosen.
 
     return pallas.ragged_paged_attention(q, k_pages[layer], v_pages[layer], **lengths,
                                          query_start_loc=query_start_loc,
-                                         interpret=jax.default_backend() == "cpu")
+                                         interpret=jax.default_backend() == "cpu",
+                                         decode_kernel="mosaic" if impl == "mosaic"
+                                         else "triton")
   raise AssertionError(impl)

@@ -5,7 +5,8 @@ what `kvpage.device.attention.attention("pallas", ...)` calls (on one layer's pa
 interpreted on CPU). It picks one of two Pallas kernels:
 
   * every sequence has (at most) one new token -> `decode.paged_decode_attention`, the
-    Flash-Decoding kernel that reads each KV page once per KV head;
+    Flash-Decoding kernel that reads each KV page once per KV head (Triton), or with
+    `decode_kernel="mosaic"` its Mosaic GPU twin, `mosaic_decode.paged_decode_attention`;
   * otherwise (prefill, chunked prefill, mixed batches) -> `ragged.ragged_mixed_attention`,
     by query blocks.
 
@@ -27,18 +28,29 @@ import jax.numpy as jnp
 from kvpage.device.attention import reference
 from kvpage.device.attention.pallas import decode, ragged
 
+DECODE_KERNELS = ("triton", "mosaic")
+
 
 def _decode_rows(q, k_pages, v_pages, page_tables, context_lens, query_start_loc, *,
-                 sm_scale, soft_cap, interpret):
+                 sm_scale, soft_cap, interpret, decode_kernel):
   """Runs the decode kernel on the one new row of each sequence, in place in `q`'s rows."""
   num_tokens = q.shape[0]
   starts = query_start_loc[:-1]
   has_token = query_start_loc[1:] - starts == 1
   rows = jnp.where(has_token, starts, num_tokens)  # num_tokens: dropped by the scatter
-  out = decode.paged_decode_attention(
-      q[jnp.minimum(rows, num_tokens - 1)], k_pages, v_pages, page_tables=page_tables,
-      context_lens=jnp.where(has_token, context_lens, 0), sm_scale=sm_scale,
-      soft_cap=soft_cap, interpret=interpret)
+  arguments = dict(page_tables=page_tables, context_lens=jnp.where(has_token, context_lens, 0),
+                   sm_scale=sm_scale, interpret=interpret)
+  q_rows = q[jnp.minimum(rows, num_tokens - 1)]
+  if decode_kernel == "mosaic":
+    if soft_cap is not None:
+      raise NotImplementedError("the Mosaic GPU decode kernel has no soft cap yet")
+    from kvpage.device.attention.pallas import mosaic_decode  # needs jax >= 0.11.2
+
+    mosaic_decode.check_supported(interpret)
+    out = mosaic_decode.paged_decode_attention(q_rows, k_pages, v_pages, **arguments)
+  else:
+    out = decode.paged_decode_attention(q_rows, k_pages, v_pages, soft_cap=soft_cap,
+                                        **arguments)
   return jnp.zeros_like(q).at[rows].set(out, mode="drop")
 
 
@@ -53,7 +65,8 @@ def _mixed(q, k_pages, v_pages, page_tables, context_lens, query_start_loc, *, s
 def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
                            page_tables: jax.Array, context_lens: jax.Array,
                            query_start_loc: jax.Array, sm_scale: float | None = None,
-                           soft_cap: float | None = None, interpret: bool = False) -> jax.Array:
+                           soft_cap: float | None = None, interpret: bool = False,
+                           decode_kernel: str = "triton") -> jax.Array:
   """Causal attention of a ragged batch of new tokens over a paged KV cache, in Pallas.
 
   Args:
@@ -66,6 +79,9 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     sm_scale: score scale; defaults to `1 / sqrt(head_dim)`.
     soft_cap: if set, scores become `soft_cap * tanh(scores / soft_cap)`.
     interpret: run the Pallas interpreter (required on CPU).
+    decode_kernel: the decode-only batches' kernel: `triton` (`decode.py`) or `mosaic`
+      (`mosaic_decode.py`, Mosaic GPU, jax >= 0.11.2); mixed batches run the ragged
+      Triton kernel either way.
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   """
@@ -74,12 +90,16 @@ def ragged_paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return q
   operands = (q, k_pages, v_pages, jnp.asarray(page_tables, jnp.int32),
               jnp.asarray(context_lens, jnp.int32), jnp.asarray(query_start_loc, jnp.int32))
+  if decode_kernel not in DECODE_KERNELS:
+    raise ValueError(f"unknown decode kernel {decode_kernel!r}; choose one of: "
+                     f"{', '.join(DECODE_KERNELS)}")
   options = dict(sm_scale=sm_scale, soft_cap=soft_cap, interpret=interpret)
   query_lens = operands[5][1:] - operands[5][:-1]
   if not isinstance(query_lens, jax.core.Tracer):
     if bool(jnp.all(query_lens <= 1)):
-      return _decode_rows(*operands, **options)
+      return _decode_rows(*operands, **options, decode_kernel=decode_kernel)
     return _mixed(*operands, **options)
   return jax.lax.cond(jnp.all(query_lens <= 1),
-                      lambda *args: _decode_rows(*args, **options),
+                      lambda *args: _decode_rows(*args, **options,
+                                                 decode_kernel=decode_kernel),
                       lambda *args: _mixed(*args, **options), *operands)
