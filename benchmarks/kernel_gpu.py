@@ -24,6 +24,12 @@ One run, three parts, each printed and written to one JSON record with its premi
    against the copy bandwidth. Cells that do not fit device memory, or that start
    after `--time_budget_s`, are skipped with a note.
 
+4. **End to end.** The tiny model with `attention_impl` `xla`, `pallas` and `mosaic`:
+   `experiments.generate`'s greedy tokens (equal to xla's?) and a short
+   `experiments.serve_bench` (32 requests of 64 + 32 tokens at once; on a GPU its pool
+   sized by the memory plan), then the plan's terms beside the device's own memory
+   figures once a planned pool is allocated.
+
 With `--interpret` the kernels run in the Pallas interpreter and the shapes default to
 small ones (override any with its flag): that checks the script, not the GPU.
 """
@@ -31,6 +37,10 @@ small ones (override any with its flag): that checks the script, not the GPU.
 import functools
 import json
 import math
+import pathlib
+import subprocess
+import sys
+import tempfile
 import time
 import warnings
 
@@ -62,6 +72,8 @@ _DTYPE = flags.DEFINE_enum("dtype", "bf16", ["bf16", "fp16", "fp32"], "Timed dty
 _COPY_MIB = flags.DEFINE_integer("copy_mib", 2048, "Size of the copy-bandwidth buffer.")
 _TIME_BUDGET = flags.DEFINE_float("time_budget_s", 240.0, "Skip cells starting later.")
 _SEED = flags.DEFINE_integer("seed", 0, "Random seed.")
+_END_TO_END = flags.DEFINE_bool("end_to_end", True, "Part 4: the tiny model's generate and "
+                                "a short serve_bench with each attention implementation.")
 
 # Smaller defaults under --interpret (flags given explicitly still win).
 _INTERPRET_DEFAULTS = dict(batches=["1", "4"], contexts=["32", "160"], num_heads=8,
@@ -264,6 +276,70 @@ def print_cell(row: dict, copy_gb_per_s: float) -> None:
         + " | ".join(cells))
 
 
+def end_to_end(interpret: bool) -> dict:
+  """The tiny model on this device with each attention implementation: `generate`'s
+  greedy tokens and a short `serve_bench`, each in a process of its own; then the memory
+  plan's terms beside what the device reports once a planned pool is allocated."""
+  pool = [] if interpret else ["--config.cache.kv_memory_gib=0"]  # GPU: the plan sizes it
+  runs = {}
+  for impl in ("xla", "pallas", "mosaic"):
+    impl_flag = f"--config.model.attention_impl={impl}"
+    generate = subprocess.run(
+        [sys.executable, "-m", "experiments.generate", "--config=configs/tiny.py", impl_flag,
+         "--prompt_ids=1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17;7,3;42",
+         "--max_new_tokens=16"], capture_output=True, text=True, timeout=900)
+    run = dict(generate_rc=generate.returncode,
+               tokens=[json.loads(line)["output_ids"] for line in generate.stdout.splitlines()
+                       if line.startswith("{")],
+               generate_error=generate.stderr.strip().splitlines()[-1:] if
+               generate.returncode else [])
+    with tempfile.TemporaryDirectory() as workdir:
+      bench = subprocess.run(
+          [sys.executable, "-m", "experiments.serve_bench", "--config=configs/tiny.py",
+           impl_flag, *pool, "--num_requests=32", "--arrival_rate=inf", "--prompt_len=64",
+           "--output_len=32", f"--workdir={workdir}", "--compilation_cache="],
+          capture_output=True, text=True, timeout=1800)
+      run["serve_bench_rc"] = bench.returncode
+      if bench.returncode == 0:
+        summary = json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+        run.update(ttft_p50_s=summary["ttft_s"]["p50"], tpot_p50_s=summary["tpot_s"]["p50"],
+                   output_tokens_per_s=summary["output_tokens_per_s"],
+                   memory_plan=summary["premises"].get("memory_plan"))
+      else:
+        run["serve_bench_error"] = bench.stderr.strip().splitlines()[-1:]
+    runs[impl] = run
+    print(f"  {impl:<8} generate rc {run['generate_rc']} tokens == xla: "
+          f"{run['tokens'] == runs['xla']['tokens']}; serve_bench rc {run['serve_bench_rc']}"
+          + (f", TTFT p50 {1e3 * run['ttft_p50_s']:.1f} ms, TPOT p50 "
+             f"{1e3 * run['tpot_p50_s']:.2f} ms, {run['output_tokens_per_s']:,.0f} tok/s"
+             if "ttft_p50_s" in run else f" {run.get('serve_bench_error')}"))
+  return dict(runs=runs, memory=memory_against_device(interpret))
+
+
+def memory_against_device(interpret: bool) -> dict:
+  """The memory plan of the tiny model's serving setup, then the device's own figures
+  after the planned pool and the weights are allocated (an accelerator only)."""
+  from configs import hardware as hardware_lib
+  from configs import tiny
+  from experiments import build  # here: it imports the model and the config tree
+
+  config = tiny.get_config()
+  stats = jax.devices()[0].memory_stats() or {}
+  if interpret or "bytes_limit" not in stats:
+    print("  memory: this device reports no memory figures")
+    return dict(note="no device memory statistics")
+  config.cache.num_pages, config.cache.kv_memory_gib = 0, 0.0
+  setup = build.serving_engine(config, executor="jax",
+                               hardware=hardware_lib.get_hardware(config.hardware))
+  after = jax.devices()[0].memory_stats()
+  plan = setup.memory_plan.to_dict() if setup.memory_plan else {}
+  print(f"  memory plan: {setup.memory_plan.lines() if setup.memory_plan else 'none'}")
+  print(f"  device after allocation: in use {after.get('bytes_in_use', 0) / 2**30:.2f} GiB, "
+        f"peak {after.get('peak_bytes_in_use', 0) / 2**30:.2f} GiB, limit "
+        f"{after['bytes_limit'] / 2**30:.2f} GiB")
+  return dict(plan=plan, device_before=stats, device_after=after)
+
+
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   start, interpret, rng = time.perf_counter(), _INTERPRET.value, np.random.default_rng(
@@ -296,6 +372,8 @@ def main(argv: list[str]) -> None:
         else:
           print_cell(row, copy["gb_per_s"])
         cells.append(row)
+  print("4. the tiny model end to end with each attention implementation")
+  model_runs = end_to_end(interpret) if _END_TO_END.value else None
   record = dict(
       benchmark="kernel_gpu",
       premises=dict(device=str(device), device_kind=device.device_kind,
@@ -303,7 +381,7 @@ def main(argv: list[str]) -> None:
                     dtype=_DTYPE.value, **shape, repeats=repeats, warmup=warmup,
                     seed=_SEED.value, **premises.environment()),
       correctness=checks, all_passed=all(row["passed"] for row in checks), copy=copy,
-      decode=cells, warnings=sorted({str(w.message)[:300] for w in caught}),
+      decode=cells, end_to_end=model_runs, warnings=sorted({str(w.message)[:300] for w in caught}),
       elapsed_s=time.perf_counter() - start)
   with open(_OUT.value, "w") as f:
     json.dump(record, f, indent=2)

@@ -132,8 +132,13 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
   buckets = batch_lib.Buckets.for_server(max_model_len=max_len,
                                          page_size=page_size,
                                          max_num_seqs=scheduler_config.max_num_seqs)
+  # Mosaic GPU's interpreter (the `mosaic` kernel on CPU) moves scalars to the device
+  # inside its own callbacks: the guard would refuse them, so it only logs there.
+  interpreted_mosaic = (model_config.get("attention_impl") == "mosaic"
+                        and jax.default_backend() == "cpu")
   executor = JaxExecutor(forward, params, cache, num_host_pages=num_host_pages, buckets=buckets,
-                         tensor_parallel=tp, param_axes=llama.param_axes)
+                         tensor_parallel=tp, param_axes=llama.param_axes,
+                         guard="log" if interpreted_mosaic else "disallow")
   if jax.process_count() > 1 and multihost.is_leader():
     executor = multihost.Leader(executor)  # every process steps; process 0 schedules
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,

@@ -14,12 +14,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_config
 from attention_cases import dense_attention, make_case, relative_error
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from configs import scheduler as scheduler_lib
+from experiments import build
 from kvpage.device.attention import pallas as paged_attention
 from kvpage.device.attention import reference
 from kvpage.device.attention.pallas import mosaic_decode
+from kvpage.host.request import SamplingParams
+from models import llama
 
 pytestmark = pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
                                 reason=f"Mosaic GPU's interpreter needs jax >= 0.11.2, "
@@ -101,3 +106,23 @@ def test_lowers_for_an_h200_without_a_gpu(page_size, num_splits):
     text = jax.jit(fn).trace(q, pages, pages, table, lens).lower(
         lowering_platforms=("cuda",)).as_text()
   assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+
+
+def test_the_engine_lets_the_interpreter_move_its_own_scalars():
+  """Mosaic GPU's interpreter moves scalars to the device inside its callbacks, which
+  the serving path's transfer guard refuses (found by `benchmarks/kernel_gpu.py`'s
+  generate run); on CPU with `mosaic` the guard logs instead, elsewhere it refuses."""
+  model = tiny_config.get_config().model
+  params = llama.random_init(model, seed=0)
+  for impl, guard in (("mosaic", "log"), ("xla", "disallow")):
+    model.attention_impl = impl
+    engine = build.llama_engine(model, params, scheduler_lib.get_scheduler_config(),
+                                num_pages=16, page_size=16)
+    assert engine.executor.guard == guard
+  # The run that failed under "disallow": three prompts, one of 17 tokens (two pages).
+  model.attention_impl = "mosaic"
+  engine = build.llama_engine(model, params, scheduler_lib.get_scheduler_config(),
+                              num_pages=16, page_size=16)
+  requests = engine.generate([list(range(1, 18)), [7, 3], [42]],
+                             SamplingParams(max_tokens=6, ignore_eos=True))
+  assert all(len(r.output_ids) == 6 for r in requests)

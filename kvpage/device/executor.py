@@ -36,9 +36,10 @@ from kvpage.device.step import ForwardFn, Step
 from kvpage.interface import Executor, Samples, SchedulerOutput
 
 
-def transfer_guard() -> contextlib.AbstractContextManager[None]:
-  """A context that refuses implicit host<->device transfers; explicit ones still run."""
-  return jax.transfer_guard("disallow")
+def transfer_guard(level: str = "disallow") -> contextlib.AbstractContextManager[None]:
+  """A context that refuses implicit host<->device transfers (`level` "disallow");
+  explicit ones still run."""
+  return jax.transfer_guard(level)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,12 +56,16 @@ class JaxExecutor(Executor):
   def __init__(self, forward: ForwardFn, params: Any, cache: paged_cache.PagedKVCache, *,
                num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None,
                tensor_parallel: TensorParallel | None = None,
-               param_axes: Callable[[tuple[str, ...]], Sequence[str | None]] | None = None):
+               param_axes: Callable[[tuple[str, ...]], Sequence[str | None]] | None = None,
+               guard: str = "disallow"):
     """`forward`: the model's step function (with `tensor_parallel`, the sharded
     model's); `cache`: laid out by `tensor_parallel.cache` when given; `param_axes`:
     the model's logical names of each parameter's dimensions, which place `params`
-    on the mesh (`kvpage.device.sharding.param_shardings`)."""
+    on the mesh (`kvpage.device.sharding.param_shardings`); `guard`: the transfer
+    guard's level on the serving path ("allow" only where a kernel interpreter does
+    implicit transfers of its own, as Mosaic GPU's on CPU does)."""
     self.tensor_parallel = tensor_parallel
+    self.guard = guard
     # Once, explicitly: params handed over as numpy would otherwise cross to the
     # device at every step.
     if tensor_parallel is None:
@@ -96,7 +101,7 @@ class JaxExecutor(Executor):
 
   def submit(self, output: SchedulerOutput) -> Ticket:
     """Runs the page copies and launches the step, without waiting for its result."""
-    with transfer_guard():
+    with transfer_guard(self.guard):
       self.host_pool.swap_out(self.cache, output.swap_out)
       self.cache = self.host_pool.swap_in(self.cache, output.swap_in)
       if not output.scheduled:
@@ -129,7 +134,7 @@ class JaxExecutor(Executor):
     if ticket.tokens is None or ticket.info is None:
       return {}
     info = ticket.info
-    with transfer_guard():
+    with transfer_guard(self.guard):
       tokens = jax.device_get(ticket.tokens)
     if tokens.ndim == 1:
       return {request_id: token for request_id, token, samples
@@ -151,7 +156,7 @@ class JaxExecutor(Executor):
     shapes = self.buckets.warmup_shapes(max_num_seqs, max_num_batched_tokens)
     width = self.buckets.table_width(1)
     count = 0
-    with transfer_guard():
+    with transfer_guard(self.guard):
       for num_tokens, num_seqs, decode_only in shapes:
         batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
         for greedy in all_greedy:  # fed like serving steps, so their programs match
