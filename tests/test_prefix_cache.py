@@ -93,7 +93,7 @@ def test_an_evictable_page_comes_back_on_a_hit_and_is_evicted_only_when_handed_o
 
 
 def test_a_swap_out_keeps_the_shared_pages_and_copies_only_its_own():
-  pool, hashes = _pool_with_named(list(range(1, 9)), num_pages=12)
+  hashes = _hashes(list(range(1, 9)))
   pool = PagePool(12, PAGE, num_host_pages=8, prefix_caching=True)
   pool.allocate("a", 8)
   pool.name_pages("a", hashes, 2)

@@ -61,14 +61,6 @@ class TensorParallel:
   def size(self) -> int:
     return self.mesh.size
 
-  @property
-  def kv_groups(self) -> int:
-    return self.mesh.shape[KV_AXIS]
-
-  @property
-  def replicas(self) -> int:
-    return self.mesh.shape[REPLICA_AXIS]
-
   def sharding(self, *spec: Any) -> NamedSharding:
     return NamedSharding(self.mesh, P(*spec))
 
