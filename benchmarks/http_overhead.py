@@ -5,7 +5,9 @@ r"""What the HTTP layer costs: the same engine and workload, in-process and over
 One workload — `--num_requests` requests of `--prompt_len` random token ids each
 asking for `--output_len` tokens (greedy, `ignore_eos`), arriving as a seeded Poisson
 process at `--request_rate`, below the tiny model's capacity — runs two ways, in
-alternating rounds so that drift on a shared machine hits both alike:
+alternating rounds so that drift on a shared machine hits both alike (each round draws
+its own prompts and arrivals from `--seed` + round, the same on both sides, so that no
+round replays prompts an earlier one left in the prefix cache):
 
   * **in-process**: replayed straight into an `Engine` built from the config
     (`kvpage.sim.replay`), timed by the scheduler's own events (`MetricsRecorder`):
@@ -24,8 +26,14 @@ work, and the gateway's thread competes with it for the engine's core.
 The HTTP figures therefore include everything the gateway adds: the request's parse
 and checks, the hop to the engine thread and back, SSE framing, the loopback socket,
 and the client's own parsing. Reports each round's p50/p99 and the ratio of the HTTP
-p50s to the in-process ones (the issue's bound: at most 1.05). Prints a table and
-writes JSON with the premises (model, dtype, lengths, batch policy, hardware, versions).
+p50s to the in-process ones (the issue's bound: at most 1.05).
+
+Last, the same load goes to `benchmarks.http_floor`, a bare ASGI app on the engine's
+cores that answers every request at once with one chunk: its TTFT is the loopback
+socket, both HTTP parsers and both event loops, which any Python front-end pays before
+its own code runs. Reported as a share of the in-process TTFT p50, it says how much of
+the TTFT ratio is out of any gateway's reach for this workload on this machine. Prints
+and writes JSON with the premises (model, dtype, lengths, batch policy, hardware, versions).
 """
 
 import dataclasses
@@ -122,15 +130,28 @@ def core_split() -> tuple[set[int] | None, set[int] | None]:
   return set(cores[:-1]), {cores[-1]}
 
 
-def start_server(argv_flags: list[str], cores: set[int] | None) -> tuple[subprocess.Popen, str]:
-  process = subprocess.Popen([sys.executable, "-m", "experiments.serve", "--port=0",
-                              "--warmup_sampling=false", *argv_flags],
-                             stdout=subprocess.PIPE, text=True, preexec_fn=_pinned(cores))
+def start_server(command: list[str], cores: set[int] | None) -> tuple[subprocess.Popen, str]:
+  """Starts `python -m <command>` on `cores`; the process and the URL it printed."""
+  process = subprocess.Popen([sys.executable, "-m", *command], stdout=subprocess.PIPE,
+                             text=True, preexec_fn=_pinned(cores))
   for line in process.stdout:
     found = re.search(r" on (http://127\.0\.0\.1:\d+) ", line)
     if found:
       return process, found.group(1)
-  raise RuntimeError(f"the server exited with {process.wait()} before listening")
+  raise RuntimeError(f"{command[0]} exited with {process.wait()} before listening")
+
+
+def http_floor(load: LoadConfig, engine_cores: set[int] | None,
+               client_cores: set[int] | None) -> dict:
+  """The same load against `benchmarks.http_floor` (a bare ASGI app answering at once,
+  on the engine's cores): TTFT there is the loopback-and-parse cost no gateway of this
+  kind avoids."""
+  server, url = start_server(["benchmarks.http_floor"], engine_cores)
+  try:
+    return over_http(dataclasses.replace(load, url=url, model="floor"), client_cores)
+  finally:
+    server.terminate()
+    server.wait(60)
 
 
 def main(argv: list[str]) -> None:
@@ -158,7 +179,8 @@ def main(argv: list[str]) -> None:
     setup.engine.executor.warmup(scheduler_config.max_num_seqs,
                                  scheduler_config.max_num_batched_tokens,
                                  num_decode_steps=scheduler_config.num_decode_steps)
-    server, url = start_server(shared, engine_cores)
+    server, url = start_server(
+        ["experiments.serve", "--port=0", "--warmup_sampling=false", *shared], engine_cores)
     try:
       load = LoadConfig(url=url, num_requests=_NUM_REQUESTS.value, request_rate=_RATE.value,
                         prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
@@ -166,15 +188,19 @@ def main(argv: list[str]) -> None:
                         seed=_SEED.value, max_retries=0)
       # A few requests first, so the first round does not pay for the server's first
       # connections and lazily built routes (the in-process engine was warmed above).
-      over_http(dataclasses.replace(load, num_requests=8, seed=load.seed + 1), client_cores)
-      rounds = []
+      over_http(dataclasses.replace(load, num_requests=8, seed=load.seed + _ROUNDS.value),
+                client_cores)
+      rounds, first = [], load
       for number in range(_ROUNDS.value):
+        # New prompts every round (seed + round), the same on both sides: a prompt seen
+        # in an earlier round would hit the prefix cache and skip its prefill.
+        load = dataclasses.replace(first, seed=first.seed + number)
         # Alternated, so that drift on a shared machine favours neither side.
         if number % 2:
           http, local = over_http(load, client_cores), in_process(setup, load)
         else:
           local, http = in_process(setup, load), over_http(load, client_cores)
-        rounds.append(dict(round=number, in_process=local, http=http))
+        rounds.append(dict(round=number, seed=load.seed, in_process=local, http=http))
         print(f"round {number}: TTFT p50 {1e3 * local['ttft_s']['p50']:.2f} ms in-process, "
               f"{1e3 * http['ttft_s']['p50']:.2f} ms over HTTP; ITL p50 "
               f"{1e3 * local['itl_s']['p50']:.2f} / {1e3 * http['itl_s']['p50']:.2f} ms",
@@ -182,14 +208,20 @@ def main(argv: list[str]) -> None:
     finally:
       server.terminate()
       server.wait(60)
+    floor = http_floor(load, engine_cores, client_cores)
 
     def ratio(figure: str) -> float:
       http = np.median([r["http"][figure]["p50"] for r in rounds])
       local = np.median([r["in_process"][figure]["p50"] for r in rounds])
       return float(http / local)
 
+    # The bare app's first-chunk time as a share of the in-process TTFT p50: the part
+    # of the ratio above 1 that no Python HTTP front-end on this machine can remove.
+    floor_share = floor["ttft_s"]["p50"] / np.median(
+        [r["in_process"]["ttft_s"]["p50"] for r in rounds])
     record = dict(
         rounds=rounds, ttft_p50_ratio=ratio("ttft_s"), itl_p50_ratio=ratio("itl_s"),
+        floor=floor, floor_ttft_p50_share=floor_share,
         premises=dict(executor=_EXECUTOR.value, model=setup.config.model.to_dict(),
                       dtype=setup.config.model.dtype,
                       prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
@@ -203,6 +235,9 @@ def main(argv: list[str]) -> None:
     print(f"\nHTTP / in-process, median over {len(rounds)} rounds: TTFT p50 "
           f"{record['ttft_p50_ratio']:.3f}x, ITL p50 {record['itl_p50_ratio']:.3f}x "
           f"(bound: 1.05)")
+    print(f"A bare ASGI app answering at once (benchmarks.http_floor): first chunk after "
+          f"{1e3 * floor['ttft_s']['p50']:.2f} ms p50 = {floor_share:.3f} of the in-process "
+          f"TTFT p50 (the HTTP floor)")
     name = _OUT.value.rsplit("/", 1)[-1]
     cli.write_files(directory, {name: json.dumps(record, indent=2)})
   print(f"wrote {_OUT.value}")

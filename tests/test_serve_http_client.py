@@ -348,3 +348,23 @@ def test_a_remote_url_is_refused_in_one_line(tmp_path):
   (line,) = result.stderr.strip().splitlines()
   assert line.startswith("error: ") and "loopback" in line and "192.0.2.1" in line
   assert not output.parent.exists()
+
+
+# The HTTP floor (`benchmarks/http_floor.py`): what `http_overhead` compares against.
+def test_the_http_floor_app_answers_every_request_with_one_chunk():
+  process = subprocess.Popen([sys.executable, "-m", "benchmarks.http_floor"], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+  try:
+    line = process.stdout.readline()  # the line http_overhead's start_server parses
+    assert line.startswith("http_floor on http://127.0.0.1:"), line
+    url = line.split()[2]
+    result = asyncio.run(serve_http.run_load(serve_http.LoadConfig(
+        url=url, num_requests=6, request_rate=200.0, prompt_len=8, output_len=4)))
+  finally:
+    process.terminate()
+    process.wait(10)
+  assert result.model == "floor"  # named by its GET /v1/models
+  for record in result.requests:
+    assert record.outcome == "served", record.error
+    assert len(record.chunk_times_s) == 1 and record.finish_reason == "length"
+    assert 0 < record.ttft_s < 5
