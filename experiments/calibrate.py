@@ -61,7 +61,7 @@ def step_samples(paths: Sequence[str],
   """Samples from kvpage `steps.jsonl` files, how many rows were skipped (multi-step
   launches, empty steps, steps without a recorded time), and whether any step was
   padded: each step is counted at the shape its executor computed (`padded_counts`)."""
-  samples, skipped, padded = [], 0, False
+  steps, skipped = [], 0
   for path in paths:
     try:
       lines = pathlib.Path(path).read_text().splitlines()
@@ -79,14 +79,23 @@ def step_samples(paths: Sequence[str],
       if not seconds or work["iterations"] != 1 or not work["num_tokens"]:
         skipped += 1
         continue
-      counts = {key: work[key] for key in ("num_tokens", "num_sequences", "num_sampled",
-                                           "prefill_pairs", "decode_context")}
-      if "padded_tokens" in work:
-        shape = work["padded_tokens"], work["padded_sequences"]
-        padded |= shape != (work["num_tokens"], work["num_sequences"])
-        counts = step_model.padded_counts(counts, *shape)
-      samples.append(calibration.Sample(model.work_from_counts(
-          **counts, num_swapped_pages=work["swap_pages"]), float(seconds), f"step {row['step']}"))
+      steps.append((row, float(seconds)))
+  # An executor that pads (kvpage's) pads every step, and its decode pass reads each
+  # row as far as the longest context even when a batch needs no padding rows; an
+  # executor that does not (an unbucketed simulation) records shapes equal to the work.
+  padded = any("padded_tokens" in row["work"] and (
+      row["work"]["padded_tokens"], row["work"]["padded_sequences"]) != (
+          row["work"]["num_tokens"], row["work"]["num_sequences"]) for row, _ in steps)
+  samples = []
+  for row, seconds in steps:
+    work = row["work"]
+    counts = {key: work[key] for key in ("num_tokens", "num_sequences", "num_sampled",
+                                         "prefill_pairs", "decode_context")}
+    if padded and "padded_tokens" in work:
+      counts = step_model.padded_counts(counts, work["padded_tokens"], work["padded_sequences"],
+                                        work.get("decode_longest"))
+    samples.append(calibration.Sample(model.work_from_counts(
+        **counts, num_swapped_pages=work["swap_pages"]), seconds, f"step {row['step']}"))
   return samples, skipped, padded
 
 

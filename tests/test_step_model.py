@@ -200,6 +200,15 @@ def test_padded_counts_pad_rows_and_tokens_as_the_engine_runs_them():
                                                         num_sampled=4)
   mixed = step_model.step_counts([(40, 40), (1, 100)])
   assert step_model.padded_counts(mixed, 64, 64) == dict(mixed, num_tokens=64, num_sequences=64)
+  # With the longest decode context, every row reads that far (kvpage's decode pass).
+  ragged = [(1, 100), (1, 30), (1, 250)]
+  longest = step_model.longest_decode(ragged)
+  assert longest == 250 and step_model.longest_decode([(40, 40)]) == 0
+  assert step_model.padded_counts(step_model.step_counts(ragged), 4, 4, longest)[
+      "decode_context"] == 4 * 250
+  assert step_model.padded_counts(mixed, 64, 64, 100)["decode_context"] == 64 * 100
+  prompts_only = step_model.step_counts([(40, 40)])
+  assert step_model.padded_counts(prompts_only, 64, 64, 0)["decode_context"] == 0
   with pytest.raises(ValueError, match="padded_work must be true or false"):
     StepRates.from_dict(dict(KNOWN.to_dict(), padded_work="yes"))
 

@@ -63,7 +63,7 @@ class SimExecutor(Executor):
     counts = step_model.step_counts(sequences, num_sampled)
     if self.buckets is not None and counts["num_sequences"]:
       counts = step_model.padded_counts(counts, *self.buckets.padded_shape(
-          counts["num_tokens"], counts["num_sequences"]))
+          counts["num_tokens"], counts["num_sequences"]), step_model.longest_decode(sequences))
     cost = self.model.price(self.model.work_from_counts(
         **counts, num_swapped_pages=num_swapped_pages), launch=launch)
     self.costs.append(cost)

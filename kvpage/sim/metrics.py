@@ -53,7 +53,8 @@ def step_work(output: Any, last_step_time: tuple[int, float] | None,
                for seq in scheduled]
   work = step_model.step_counts(sequences, sum(seq.samples for seq in scheduled))
   work.update(iterations=max((seq.num_steps for seq in scheduled), default=1),
-              swap_pages=len(output.swap_out) + len(output.swap_in))
+              swap_pages=len(output.swap_out) + len(output.swap_in),
+              decode_longest=step_model.longest_decode(sequences))
   if shape is not None:
     work.update(padded_tokens=shape[0], padded_sequences=shape[1])
   seconds = (last_step_time[1] if last_step_time is not None

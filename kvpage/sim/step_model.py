@@ -27,7 +27,10 @@ Engines compute padded shapes (vLLM pads decode batches to CUDA-graph sizes; kvp
 pads every batch to its bucket ladder, `kvpage.batch.Buckets`), so a step costs what
 its padded shape costs: rates fit on padded work (`padded_counts`, from a kvpage run's
 `steps.jsonl`) say so (`StepRates.padded_work`), and the simulator then pads its steps
-the same way before pricing them.
+the same way before pricing them. kvpage's XLA decode pass also reads every padded row
+as far as the step's longest decode context (one loop over key tiles for the whole
+batch; a mixed step pins its rows to `max_num_seqs`), so padded decode work is rows x
+the longest context, not the sum of the contexts.
 
 Work per device: the decoder layers' and LM head's weights are split `tp` ways
 (Megatron: q/k/v/gate/up by output features, o/down by input features, the vocabulary
@@ -247,16 +250,28 @@ class StepModel:
     return self.price(self.work(sequences, num_swapped_pages, num_sampled), launch=launch)
 
 
-def padded_counts(counts: dict[str, int], tokens: int, sequences: int) -> dict[str, int]:
+def padded_counts(counts: dict[str, int], tokens: int, sequences: int,
+                  decode_longest: int | None = None) -> dict[str, int]:
   """`step_counts` of a step as the engine computes it, padded to `tokens` x `sequences`
   (`Executor.step_shape`). A decode-only batch's padding rows run every layer (one token
-  each, sampled, with no context to read); a mixed batch's padding tokens run the linear
-  layers and its padding rows the per-sequence work (kvpage pins a mixed batch's rows
-  to `max_num_seqs`, so with `prefill_launch` they are the mixed program's fixed cost)."""
+  each, sampled); a mixed batch's padding tokens run the linear layers and its padding
+  rows the per-sequence work (kvpage pins a mixed batch's rows to `max_num_seqs`, so
+  with `prefill_launch` they are the mixed program's fixed cost). With
+  `decode_longest` (the longest context of the step's decodes, `longest_decode`), each
+  of the `sequences` rows reads that far, as kvpage's decode pass does; None (a record
+  without it) keeps the sum of the contexts."""
   padded = dict(counts, num_tokens=tokens, num_sequences=sequences)
   if counts["num_tokens"] == counts["num_sequences"]:  # decode-only: padding rows sample too
     padded["num_sampled"] += sequences - counts["num_sequences"]
+  if decode_longest is not None and counts["decode_context"]:
+    padded["decode_context"] = sequences * decode_longest
   return padded
+
+
+def longest_decode(sequences: Sequence[tuple[int, int]]) -> int:
+  """The longest context among a step's decodes (0 if it has none), from `(new tokens,
+  context)` per sequence."""
+  return max((c for n, c in sequences if n == 1), default=0)
 
 
 def step_counts(sequences: Sequence[tuple[int, int]],
