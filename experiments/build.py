@@ -138,7 +138,8 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                         and jax.default_backend() == "cpu")
   executor = JaxExecutor(forward, params, cache, num_host_pages=num_host_pages, buckets=buckets,
                          tensor_parallel=tp, param_axes=llama.param_axes,
-                         guard="log" if interpreted_mosaic else "disallow")
+                         guard="log" if interpreted_mosaic else "disallow",
+                         decode_reads_longest=model_config.get("attention_impl", "xla") == "xla")
   if jax.process_count() > 1 and multihost.is_leader():
     executor = multihost.Leader(executor)  # every process steps; process 0 schedules
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,

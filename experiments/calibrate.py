@@ -57,10 +57,12 @@ _OUT = flags.DEFINE_string("out", None, "Write the calibration file here.")
 _JSON = flags.DEFINE_bool("json", False, "Print the calibration record as JSON, not a table.")
 
 def step_samples(paths: Sequence[str],
-                 model: StepModel) -> tuple[list[calibration.Sample], int, bool]:
+                 model: StepModel) -> tuple[list[calibration.Sample], int, bool, bool]:
   """Samples from kvpage `steps.jsonl` files, how many rows were skipped (multi-step
-  launches, empty steps, steps without a recorded time), and whether any step was
-  padded: each step is counted at the shape its executor computed (`padded_counts`)."""
+  launches, empty steps, steps without a recorded time), whether any step was padded,
+  and whether padded decode rows read to the longest decode context (the executor
+  recorded `decode_longest`): each step is counted as its executor computed it
+  (`padded_counts`)."""
   steps, skipped = [], 0
   for path in paths:
     try:
@@ -80,8 +82,8 @@ def step_samples(paths: Sequence[str],
         skipped += 1
         continue
       steps.append((row, float(seconds)))
-  # An executor that pads (kvpage's) pads every step, and its decode pass reads each
-  # row as far as the longest context even when a batch needs no padding rows; an
+  # An executor that pads (kvpage's) pads every step, and its XLA decode pass reads
+  # each row as far as the longest context even when a batch needs no padding rows; an
   # executor that does not (an unbucketed simulation) records shapes equal to the work.
   padded = any("padded_tokens" in row["work"] and (
       row["work"]["padded_tokens"], row["work"]["padded_sequences"]) != (
@@ -96,7 +98,8 @@ def step_samples(paths: Sequence[str],
                                         work.get("decode_longest"))
     samples.append(calibration.Sample(model.work_from_counts(
         **counts, num_swapped_pages=work["swap_pages"]), seconds, f"step {row['step']}"))
-  return samples, skipped, padded
+  reads_longest = padded and any("decode_longest" in row["work"] for row, _ in steps)
+  return samples, skipped, padded, reads_longest
 
 
 def table(rows: list[dict]) -> str:
@@ -134,13 +137,14 @@ def main(argv: list[str]) -> None:
         max_decode_batch=_TRAIN_DECODE.value, max_prefill_tokens=_TRAIN_PREFILL.value)
     train += fit_part
     held += held_part
-  steps, skipped, padded = step_samples(_STEPS.value, model)
-  test, test_skipped, _ = step_samples(_TEST_STEPS.value, model)
+  steps, skipped, padded, reads_longest = step_samples(_STEPS.value, model)
+  test, test_skipped, _, _ = step_samples(_TEST_STEPS.value, model)
   train += steps
   held += test
   sources = [*(_PROFILE.value), *(_STEPS.value)]
   result = calibration.fit(train, model, hardware, weighting=_WEIGHTING.value,
                            knee_tokens=_KNEE.value, padded_work=padded,
+                           decode_reads_longest=reads_longest,
                            source="fitted by experiments.calibrate on " + ", ".join(sources))
   priced = model.with_rates(result.rates)
   rows = calibration.points(train, priced, "train") + calibration.points(held, priced, "held-out")

@@ -311,7 +311,8 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
   compiles_before = executor.num_compiles
   # The clock of record starts here, after set-up and warm-up.
   recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock,
-                                     step_shape=setup.engine.executor.step_shape)
+                                     step_shape=setup.engine.executor.step_shape,
+                                     decode_reads_longest=executor.decode_reads_longest)
   setup.engine.on_step = recorder.on_step
   scheduler = setup.engine.scheduler
   with contextlib.ExitStack() as stack:

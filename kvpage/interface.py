@@ -142,6 +142,13 @@ class Executor(abc.ABC):
     on. This default computes the batch as scheduled, unpadded."""
     return output.num_batched_tokens, len(output.scheduled)
 
+  @property
+  def decode_reads_longest(self) -> bool:
+    """Whether every row of a step's decode attention (all `step_shape` sequences)
+    reads as far as the step's longest decode context, rather than its own: what the
+    cost of its decodes depends on. This default reads each row's own."""
+    return False
+
   @abc.abstractmethod
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:

@@ -211,15 +211,20 @@ def test_padded_counts_pad_rows_and_tokens_as_the_engine_runs_them():
   assert step_model.padded_counts(prompts_only, 64, 64, 0)["decode_context"] == 0
   with pytest.raises(ValueError, match="padded_work must be true or false"):
     StepRates.from_dict(dict(KNOWN.to_dict(), padded_work="yes"))
+  with pytest.raises(ValueError, match="decode_reads_longest must be true or false"):
+    StepRates.from_dict(dict(KNOWN.to_dict(), decode_reads_longest=1))
 
 
-def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path):
+@pytest.mark.parametrize("reads_longest", [False, True])
+def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path, reads_longest):
   """Rates fit on padded work (a kvpage run's steps) make the simulator pad its steps to
-  the server's buckets; its steps.jsonl records the padded shapes, and fitting them gives
-  back rates that price every step as the simulator did."""
+  the server's buckets; its steps.jsonl records the padded shapes (and, where decode rows
+  read to the longest context, that context), and fitting them gives back rates that
+  price every step as the simulator did."""
   cpu = hardware_lib.get_hardware("cpu")
   rates = dataclasses.replace(StepRates.template(cpu), per_sequence_s=1e-4,
-                              prefill_launch_s=1e-2, padded_work=True)
+                              prefill_launch_s=1e-2, padded_work=True,
+                              decode_reads_longest=reads_longest)
   given = tmp_path / "given.json"
   given.write_text(json.dumps(dict(rates=rates.to_dict())))
   run = subprocess.run(
@@ -233,6 +238,7 @@ def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path):
              and row["work"]["num_sequences"] in (3, 5, 6, 7)]
   assert decodes and all(work["padded_sequences"] in (4, 8) for work in decodes)
   assert all(row["work"]["padded_tokens"] >= row["work"]["num_tokens"] for row in rows)
+  assert all(("decode_longest" in row["work"]) == reads_longest for row in rows)
   fit = subprocess.run(
       [sys.executable, "-m", "experiments.calibrate", "--config=configs/tiny.py",
        "--hardware=cpu", f"--steps={tmp_path}/a/steps.jsonl", "--json"],
@@ -240,6 +246,7 @@ def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path):
   assert fit.returncode == 0, fit.stderr
   record = json.loads(fit.stdout)
   assert record["rates"]["padded_work"] is True
+  assert record["rates"]["decode_reads_longest"] is reads_longest
   assert max(abs(row["error"]) for row in record["points"]) < 1e-3
   assert record["rates"]["prefill_launch_s"] == pytest.approx(1e-2, rel=1e-2)
 

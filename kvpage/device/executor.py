@@ -57,14 +57,17 @@ class JaxExecutor(Executor):
                num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None,
                tensor_parallel: TensorParallel | None = None,
                param_axes: Callable[[tuple[str, ...]], Sequence[str | None]] | None = None,
-               guard: str = "disallow"):
+               guard: str = "disallow", decode_reads_longest: bool = False):
     """`forward`: the model's step function (with `tensor_parallel`, the sharded
     model's); `cache`: laid out by `tensor_parallel.cache` when given; `param_axes`:
     the model's logical names of each parameter's dimensions, which place `params`
     on the mesh (`kvpage.device.sharding.param_shardings`); `guard`: the transfer
     guard's level on the serving path ("allow" only where a kernel interpreter does
-    implicit transfers of its own, as Mosaic GPU's on CPU does)."""
+    implicit transfers of its own, as Mosaic GPU's on CPU does); `decode_reads_longest`:
+    the model's attention reads every decode row as far as the longest (the XLA path),
+    which `steps.jsonl` then records for a calibration."""
     self.tensor_parallel = tensor_parallel
+    self._decode_reads_longest = decode_reads_longest
     self.guard = guard
     # Once, explicitly: params handed over as numpy would otherwise cross to the
     # device at every step.
@@ -92,6 +95,10 @@ class JaxExecutor(Executor):
   @property
   def num_compiles(self) -> int:
     return self.step.num_compiles
+
+  @property
+  def decode_reads_longest(self) -> bool:
+    return self._decode_reads_longest
 
   def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
     """The batch's padded `(tokens, sequences)` (`Buckets.padded_shape`)."""

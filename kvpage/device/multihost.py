@@ -97,6 +97,10 @@ class Leader(Executor):
   def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
     return self.executor.step_shape(output)
 
+  @property
+  def decode_reads_longest(self) -> bool:
+    return self.executor.decode_reads_longest
+
   def submit(self, output: SchedulerOutput) -> Ticket:
     self._send(("submit", output))
     return self.executor.submit(output)

@@ -93,7 +93,9 @@ class Fit:
         f"{r.link_bandwidth / 1e9:.4g} GB/s",
         f"weighting {self.weighting}; RMS relative error {100 * self.rms_relative_error:.1f}%"
         + ("; steps counted at their padded shapes (the simulator pads likewise)"
-           if r.padded_work else "")]
+           if r.padded_work else "")
+        + (", every decode row read to the step's longest context" if r.decode_reads_longest
+           else "")]
     if self.not_identified:
       lines.append("not identified by these steps (fallbacks): " + ", ".join(self.not_identified))
     return lines
@@ -168,9 +170,11 @@ def _thin(candidates: list[int], count: int) -> list[int]:
 def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
         weighting: str = "absolute", knee_tokens: int | None = None,
         tie_decode_attention: bool | None = None, caps: bool = True,
-        padded_work: bool = False, source: str = "") -> Fit:
+        padded_work: bool = False, decode_reads_longest: bool = False,
+        source: str = "") -> Fit:
   """Rates for `model`'s shapes that best price `samples` (see the module docstring);
-  `padded_work`: the samples count padded shapes (`StepRates.padded_work`)."""
+  `padded_work`: the samples count padded shapes (`StepRates.padded_work`), and with
+  `decode_reads_longest` padded rows read to the longest decode context."""
   if weighting not in WEIGHTINGS:
     raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
   samples = [s for s in samples if s.work.num_tokens > 0]
@@ -220,7 +224,8 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
   best = results[best_thresholds]
   _, solution = best
   rates, missing = _rates(solution, template, knee, tie, source)
-  rates = dataclasses.replace(rates, padded_work=padded_work)
+  rates = dataclasses.replace(rates, padded_work=padded_work,
+                              decode_reads_longest=padded_work and decode_reads_longest)
   priced = model.with_rates(rates)
   predicted = np.array([priced.price(w).seconds for w in works])
   rms = float(np.sqrt(np.mean((predicted / measured - 1.0) ** 2)))

@@ -51,6 +51,11 @@ class SimExecutor(Executor):
   def num_compiles(self) -> int:
     return 0
 
+  @property
+  def decode_reads_longest(self) -> bool:
+    """As the engine the rates were fit on, when its steps are priced padded."""
+    return self.buckets is not None and self.model.rates.decode_reads_longest
+
   def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
     """The shape the step is priced at: padded to `buckets` when given."""
     if self.buckets is None or not output.scheduled:
@@ -62,8 +67,9 @@ class SimExecutor(Executor):
     """One forward pass over `(new tokens, context)` per sequence, padded if bucketed."""
     counts = step_model.step_counts(sequences, num_sampled)
     if self.buckets is not None and counts["num_sequences"]:
-      counts = step_model.padded_counts(counts, *self.buckets.padded_shape(
-          counts["num_tokens"], counts["num_sequences"]), step_model.longest_decode(sequences))
+      counts = step_model.padded_counts(
+          counts, *self.buckets.padded_shape(counts["num_tokens"], counts["num_sequences"]),
+          step_model.longest_decode(sequences) if self.decode_reads_longest else None)
     cost = self.model.price(self.model.work_from_counts(
         **counts, num_swapped_pages=num_swapped_pages), launch=launch)
     self.costs.append(cost)

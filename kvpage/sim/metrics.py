@@ -43,7 +43,8 @@ MAX_FAILED_LISTED = 100
 
 
 def step_work(output: Any, last_step_time: tuple[int, float] | None,
-              shape: tuple[int, int] | None = None) -> dict[str, Any]:
+              shape: tuple[int, int] | None = None,
+              decode_reads_longest: bool = False) -> dict[str, Any]:
   """A step's measured seconds (`step_s`: launch to samples back, None if unpriced) and
   the counts its cost depends on (`work`, `kvpage.sim.step_model.step_counts` per
   iteration, with the `(tokens, sequences)` it was padded to when `shape` is given),
@@ -53,8 +54,9 @@ def step_work(output: Any, last_step_time: tuple[int, float] | None,
                for seq in scheduled]
   work = step_model.step_counts(sequences, sum(seq.samples for seq in scheduled))
   work.update(iterations=max((seq.num_steps for seq in scheduled), default=1),
-              swap_pages=len(output.swap_out) + len(output.swap_in),
-              decode_longest=step_model.longest_decode(sequences))
+              swap_pages=len(output.swap_out) + len(output.swap_in))
+  if decode_reads_longest:  # what each padded row's decode attention reads
+    work.update(decode_longest=step_model.longest_decode(sequences))
   if shape is not None:
     work.update(padded_tokens=shape[0], padded_sequences=shape[1])
   seconds = (last_step_time[1] if last_step_time is not None
@@ -96,10 +98,12 @@ class MetricsRecorder:
   """
 
   def __init__(self, scheduler: Any, clock: Callable[[], float], *, history: bool = True,
-               step_shape: Callable[[Any], tuple[int, int]] | None = None):
+               step_shape: Callable[[Any], tuple[int, int]] | None = None,
+               decode_reads_longest: bool = False):
     self.scheduler = scheduler
     self.clock = clock
     self.step_shape = step_shape  # the executor's: each step's padded shape, recorded
+    self.decode_reads_longest = decode_reads_longest  # the executor's: recorded too
     self.history = history
     self.requests: list[Request] = []
     self.steps: list[dict[str, Any]] = []
@@ -135,7 +139,8 @@ class MetricsRecorder:
                num_seqs=len(output.scheduled), swap_pages=len(output.swap_out) + len(
                    output.swap_in))
     row.update(step_work(output, getattr(self.scheduler, "last_step_time", None),
-                         self.step_shape(output) if self.step_shape else None))
+                         self.step_shape(output) if self.step_shape else None,
+                         self.decode_reads_longest))
     for key in ("preemptions", "rejections"):
       row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
       self._last[key] = dict(stats[key])

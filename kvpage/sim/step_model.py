@@ -29,8 +29,9 @@ its padded shape costs: rates fit on padded work (`padded_counts`, from a kvpage
 `steps.jsonl`) say so (`StepRates.padded_work`), and the simulator then pads its steps
 the same way before pricing them. kvpage's XLA decode pass also reads every padded row
 as far as the step's longest decode context (one loop over key tiles for the whole
-batch; a mixed step pins its rows to `max_num_seqs`), so padded decode work is rows x
-the longest context, not the sum of the contexts.
+batch; a mixed step pins its rows to `max_num_seqs`), so there padded decode work is
+rows x the longest context, not the sum of the contexts (`decode_reads_longest`; the
+Pallas kernels read each row's own pages).
 
 Work per device: the decoder layers' and LM head's weights are split `tp` ways
 (Megatron: q/k/v/gate/up by output features, o/down by input features, the vocabulary
@@ -67,7 +68,10 @@ class StepRates:
   cannot separate them from the other parts, so they are the hardware entry's.
   `prefill_launch_s` is what a step carrying prompt chunks pays beyond `launch_s`
   (0 unless calibrated; a file without it reads as 0). `padded_work`: the rates price
-  steps padded to the engine's buckets (`padded_counts`), as they were fit.
+  steps padded to the engine's buckets (`padded_counts`), as they were fit;
+  `decode_reads_longest`: and each padded row's decode attention as reading as far as
+  the step's longest decode context (`Executor.decode_reads_longest`: kvpage's XLA
+  path), as the run they were fit on recorded.
   """
 
   launch_s: float
@@ -84,13 +88,14 @@ class StepRates:
   source: str
   prefill_launch_s: float = 0.0
   padded_work: bool = False
+  decode_reads_longest: bool = False
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name == "padded_work" and not isinstance(value, bool):
-        raise ValueError(f"step rates: padded_work must be true or false, got {value!r}")
-      if field.name in ("source", "padded_work"):
+      if field.name in ("padded_work", "decode_reads_longest") and not isinstance(value, bool):
+        raise ValueError(f"step rates: {field.name} must be true or false, got {value!r}")
+      if field.name in ("source", "padded_work", "decode_reads_longest"):
         continue
       minimum_ok = value >= 0 if field.name.endswith("_s") else value > 0
       if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
