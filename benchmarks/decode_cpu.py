@@ -45,6 +45,7 @@ from ml_collections import config_flags
 from experiments import build, cli
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
+from kvpage.device.attention import cpu as cpu_kernel
 from kvpage.host.request import SamplingParams
 from kvpage.sim import premises
 from models import hf
@@ -96,6 +97,16 @@ def save_random_checkpoint(model_config, directory: pathlib.Path) -> None:
       tie_word_embeddings=model_config.tie_embeddings)
   torch.manual_seed(0)
   transformers.LlamaForCausalLM(hf_config).save_pretrained(directory)
+
+
+def load_kvpage(config, directory: pathlib.Path):
+  """The checkpoint's model section and params into `config` (returns the params),
+  keeping the config's name and attention implementation, which the checkpoint's
+  `config.json` does not carry."""
+  name, impl = config.model.name, config.model.attention_impl
+  config.model, params = hf.load(directory)
+  config.model.name, config.model.attention_impl = name, impl
+  return params
 
 
 def load_hf(directory: pathlib.Path):
@@ -316,14 +327,13 @@ def main(argv: list[str]) -> None:
   with tempfile.TemporaryDirectory() as directory:
     save_random_checkpoint(config.model, pathlib.Path(directory))
     hf_model = load_hf(pathlib.Path(directory))
-    name = config.model.name
-    config.model, params = hf.load(directory)
+    params = load_kvpage(config, pathlib.Path(directory))
   m = config.model
-  m.name = name
   print(f"kvpage vs HF generate: {m.name} ({m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, vocab {m.vocab_size}), fp32 "
-        f"weights, {config.cache.kv_dtype} KV cache, "
-        f"greedy, all prompts at once, page size {config.cache.page_size}, CPU, torch "
+        f"weights, {config.cache.kv_dtype} KV cache, kvpage attention {m.attention_impl} "
+        f"(CPU decode kernel: {cpu_kernel.status()}), greedy, all prompts at once, page "
+        f"size {config.cache.page_size}, CPU, torch "
         f"{torch.get_num_threads()} threads, HF attention "
         f"{hf_model.config._attn_implementation}; best of {_REPEATS.value} rounds "
         "(tokens/s); ratios: kvpage / HF best")
@@ -343,6 +353,7 @@ def main(argv: list[str]) -> None:
       "sized for the whole batch above the watermark; multi-step engines: "
       f"{', '.join(_DECODE_STEPS.value) or 'none'}",
       scheduler=config.scheduler.to_dict(), attention_impl=m.attention_impl,
+      cpu_decode_kernel=cpu_kernel.status(),
       hf_attention=hf_model.config._attn_implementation, repeats=_REPEATS.value,
       torch_threads=torch.get_num_threads(), **premises.environment()), rows=rows)
   with open(_OUT.value, "w") as f:

@@ -46,6 +46,8 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
     raise ValueError(f"unknown config variant {variant!r}; choose a dtype: {', '.join(DTYPES)}")
   config = ml_collections.ConfigDict()
   config.model = model_config(name, dtype)
+  if hardware == "cpu":  # decode rows on the C++ kernel, which reads pages in place
+    config.model.attention_impl = "cpu"
   # A real run's KV pool: `num_pages` when set, else as many pages as `kv_memory_gib`
   # holds (4 GiB is vLLM's CPU default KV space), else (`kv_memory_gib=0`, as on a GPU)
   # the memory plan: `memory_utilization` of the device, less the weights and the

@@ -20,8 +20,8 @@ import ml_collections
 
 import configs
 from kvpage import batch as batch_lib
+from kvpage.device import attention, multihost, sharding
 from kvpage.device import cache as paged_cache
-from kvpage.device import multihost, sharding
 from kvpage.device import step as step_lib
 from kvpage.device.executor import JaxExecutor
 from kvpage.host.engine import Engine
@@ -139,7 +139,11 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
   executor = JaxExecutor(forward, params, cache, num_host_pages=num_host_pages, buckets=buckets,
                          tensor_parallel=tp, param_axes=llama.param_axes,
                          guard="log" if interpreted_mosaic else "disallow",
-                         decode_reads_longest=model_config.get("attention_impl", "xla") == "xla")
+                         decode_reads_longest=attention.decode_reads_longest(
+                             model_config.get("attention_impl", "xla"),
+                             kv_dtype=paged_cache.jnp_dtype(kv_dtype or model_config.dtype),
+                             num_heads=model_config.num_heads,
+                             num_kv_heads=model_config.num_kv_heads, page_size=page_size))
   if jax.process_count() > 1 and multihost.is_leader():
     executor = multihost.Leader(executor)  # every process steps; process 0 schedules
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
@@ -466,6 +470,8 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
   if checkpoint:
     model_config, params = hf.load(checkpoint)
     check_runnable(config, model_config)
+    # How attention runs is the config's choice (its hardware's), not the checkpoint's.
+    model_config.attention_impl = config.model.attention_impl
     config.model = model_config
     config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
   num_pages, pool_reason, plan = real_pool_pages(config, config.model, num_pages=num_pages,

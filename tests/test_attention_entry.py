@@ -51,7 +51,7 @@ def test_every_impl_matches_the_oracle_on_its_layer(impl, seqs, decode_only):
 
 def test_an_unknown_impl_raises_naming_the_choices():
   case = make_case([(5, 1)], num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, seed=0)
-  with pytest.raises(ValueError, match="'triton'; choose one of: xla, reference, pallas"):
+  with pytest.raises(ValueError, match="'triton'; choose one of: xla, cpu, reference, pallas"):
     whole_cache_call("triton", case, decode_only=True)
 
 

@@ -8,6 +8,9 @@ new tokens over a paged KV cache (the contract is written out in `reference.py`)
   * `xla.py`: the paths serving runs on XLA, `paged_decode_attention` for decode-only
     steps and `ragged_blocked_attention` (by query blocks) for any step; both read one
     layer straight out of the whole cache.
+  * `cpu/`: a C++ decode kernel (XLA FFI) that reads pages in place; the `cpu`
+    implementation is the XLA paths with their decode rows on it where it runs (the
+    CPU backend, fp32, the kernel built), and the plain XLA paths elsewhere.
   * `pallas/`: the GPU kernels (Flash-Decoding, and query blocks for mixed steps),
     behind one entry, `pallas.ragged_paged_attention`; `mosaic` is the same entry with
     the Mosaic GPU decode kernel (`pallas/mosaic_decode.py`, jax >= 0.11.2) for
@@ -17,13 +20,15 @@ A model calls only `attention(impl, ...)`, with the whole cache and its layer, s
 choice among implementations and their calling conventions lives here.
 """
 
+from typing import Any
+
 import jax
 
 from kvpage.device import sharding
-from kvpage.device.attention import reference, xla
+from kvpage.device.attention import cpu, reference, xla
 from kvpage.device.sharding import TensorParallel
 
-ATTENTION_IMPLS = ("xla", "reference", "pallas", "mosaic")
+ATTENTION_IMPLS = ("xla", "cpu", "reference", "pallas", "mosaic")
 
 
 def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, layer: int,
@@ -32,9 +37,10 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
   """One layer's attention of a step's new tokens, by the implementation `impl`.
 
   Args:
-    impl: one of `ATTENTION_IMPLS`: `xla` (the fast XLA paths), `reference` (the
-      oracle), `pallas` (the Triton kernels) or `mosaic` (the Mosaic GPU decode
-      kernel); the kernels are interpreted when JAX's backend is the CPU.
+    impl: one of `ATTENTION_IMPLS`: `xla` (the fast XLA paths), `cpu` (the same with
+      decode rows on the C++ kernel where it runs, `cpu.runs`), `reference` (the oracle),
+      `pallas` (the Triton kernels) or `mosaic` (the Mosaic GPU decode kernel); the
+      GPU kernels are interpreted when JAX's backend is the CPU.
     q: `[num_tokens, num_heads, head_dim]`, in the cache's dtype.
     k_pages, v_pages: the whole cache, `[num_layers, num_kv_heads, num_pages,
       page_size, head_dim]`; `xla` reads layer `layer` in place, the others a slice.
@@ -64,14 +70,25 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
   return one_device(q, k_pages, v_pages, page_tables, context_lens, query_start_loc)
 
 
+def decode_reads_longest(impl: str, *, kv_dtype: Any, num_heads: int, num_kv_heads: int,
+                         page_size: int) -> bool:
+  """Whether `impl`'s decode rows each read as far as the step's longest decode context
+  (the XLA decode pass pads them so), rather than their own: what a step-time
+  calibration must know (`kvpage.sim.calibration`)."""
+  if impl == "cpu":
+    return not cpu.runs(kv_dtype, num_heads // num_kv_heads, page_size)
+  return impl == "xla"
+
+
 def _attention(impl, q, k_pages, v_pages, *, layer, page_tables, context_lens, query_start_loc,
                decode_only):
   lengths = dict(page_tables=page_tables, context_lens=context_lens)
-  if impl == "xla" and decode_only:
-    return xla.paged_decode_attention(q, k_pages, v_pages, layer=layer, **lengths)
-  if impl == "xla":
+  if impl in ("xla", "cpu") and decode_only:
+    return xla.paged_decode_attention(q, k_pages, v_pages, layer=layer, **lengths,
+                                      decode_kernel=impl)
+  if impl in ("xla", "cpu"):
     return xla.ragged_blocked_attention(q, k_pages, v_pages, layer=layer, **lengths,
-                                        query_start_loc=query_start_loc)
+                                        query_start_loc=query_start_loc, decode_kernel=impl)
   if impl == "reference":
     return reference.ragged_paged_attention(q, k_pages[layer], v_pages[layer], **lengths,
                                             query_start_loc=query_start_loc)

@@ -14,6 +14,10 @@ so the step never copies a layer's pages.
     computation; each prompt chunk is cut into query blocks (`query_blocks`, a schedule
     the Pallas ragged kernel shares) that a loop visits, only as many as there are,
     each reading its sequence's pages tile by tile up to its causal limit.
+
+Both take `decode_kernel`: "xla" computes the decode rows here; "cpu" hands them to
+the C++ kernel (`kvpage.device.attention.cpu`), which reads the pages in place instead
+of gathering them, where it runs (`cpu.runs`; else they stay here).
 """
 
 import math
@@ -21,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from kvpage.device.attention import reference
+from kvpage.device.attention import cpu, reference
 
 # Measured on the 2-core CPU VM (variants interleaved in one process, tiny dims, one
 # layer): tiles of 64 tokens beat 128 by 15-20% at batch 64 x 100 tokens, 32 x 600 and
@@ -84,7 +88,8 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_tables: jax.Array, context_lens: jax.Array,
                            layer: int | None = None, sm_scale: float | None = None,
                            soft_cap: float | None = None,
-                           tokens_per_tile: int = DECODE_TOKENS_PER_TILE) -> jax.Array:
+                           tokens_per_tile: int = DECODE_TOKENS_PER_TILE,
+                           decode_kernel: str = "xla") -> jax.Array:
   """`ragged_paged_attention` for a decode-only batch: token `s` is sequence `s`'s one new token.
 
   The host knows when a step is decode-only (every scheduled sequence brings exactly
@@ -100,6 +105,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     k_pages, v_pages: `[num_kv_heads, num_pages, page_size, head_dim]`, or, with `layer`,
       the whole cache `[num_layers, num_kv_heads, ...]` (read in place: no layer slice).
     page_tables, context_lens: as in `ragged_paged_attention`; length-0 rows are padding.
+    decode_kernel: "xla" (here) or "cpu" (the C++ kernel, where built).
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   """
@@ -113,14 +119,20 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   out = _decode_pass(q[:num_seqs], k_pages, v_pages, page_tables[:num_seqs],
                      context_lens[:num_seqs], num_pages, layer, sm_scale, soft_cap,
-                     max(1, tokens_per_tile // page_size)).astype(q.dtype)
+                     max(1, tokens_per_tile // page_size), decode_kernel).astype(q.dtype)
   return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
 
 
 def _decode_pass(q_seqs, k_pages, v_pages, page_tables, limits, num_pages, layer, sm_scale,
-                 soft_cap, pages_per_tile):
+                 soft_cap, pages_per_tile, decode_kernel):
   """One query token per table, `q_seqs [n, num_heads, head_dim]`, seeing the keys below
   `limits i32[n]` of its table; returns `f32[n, num_heads, head_dim]`."""
+  group = q_seqs.shape[1] // k_pages.shape[-4]
+  if decode_kernel == "cpu" and cpu.runs(k_pages.dtype, group, k_pages.shape[-2]):
+    whole = layer is not None  # the kernel reads layer `layer` of a whole cache
+    return cpu.paged_decode(q_seqs, k_pages if whole else k_pages[None],
+                            v_pages if whole else v_pages[None], page_tables, limits,
+                            layer=layer or 0, sm_scale=sm_scale, soft_cap=soft_cap)
   num_seqs, num_heads, head_dim = q_seqs.shape
   num_kv_heads = k_pages.shape[-4]
   q_grouped = (q_seqs.astype(jnp.float32) * sm_scale).reshape(
@@ -244,7 +256,8 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
                              query_start_loc: jax.Array, layer: int | None = None,
                              sm_scale: float | None = None, soft_cap: float | None = None,
                              query_block: int = PREFILL_QUERY_BLOCK,
-                             tokens_per_tile: int = PREFILL_TOKENS_PER_TILE) -> jax.Array:
+                             tokens_per_tile: int = PREFILL_TOKENS_PER_TILE,
+                             decode_kernel: str = "xla") -> jax.Array:
   """`ragged_paged_attention` for any batch: the fast XLA path for mixed steps.
 
   A mixed step holds two kinds of sequence, computed two ways and then put back in
@@ -262,7 +275,8 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
   context n / query_block times (the oracle reads it n times).
 
   Arguments and result as in `ragged_paged_attention`; with `layer`, `k_pages` and
-  `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place.
+  `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place;
+  `decode_kernel` as in `paged_decode_attention`.
   """
   pool = _layer_pool(k_pages, layer)
   reference.validate_static(q, pool, _layer_pool(v_pages, layer), page_tables, context_lens,
@@ -280,7 +294,8 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
   last = jnp.maximum(query_start_loc[1:] - 1, 0)
   decode_out = _decode_pass(q[last], k_pages, v_pages, page_tables,
                             jnp.where(is_decode, context_lens, 0), num_pages, layer, sm_scale,
-                            soft_cap, max(1, DECODE_TOKENS_PER_TILE // page_size))
+                            soft_cap, max(1, DECODE_TOKENS_PER_TILE // page_size),
+                            decode_kernel)
 
   # Prompt chunks: query blocks as large as the longest chunk needs, up to `query_block`
   # (a `lax.switch`, so short prompts do not pad each block to the largest size).

@@ -1,0 +1,137 @@
+"""The CPU decode kernel: paged decode attention in C++, called from XLA through its FFI.
+
+XLA:CPU cannot read a page table's pages in place: `xla.py` gathers them into a fresh
+buffer (a copy of every context, per layer, per step) and then reads the copy. On the
+2-core VM this project is developed on, that made decode attention 2-4x slower than
+PyTorch's SDPA over a contiguous cache. `paged_decode.cc` reads the pages where they
+lie: one task per (sequence, KV head), an online softmax folded a page at a time, on
+XLA's own intra-op thread pool. The `cpu` attention implementation runs the XLA paths
+with their decode rows (decode-only steps, and the decodes of mixed steps) through it;
+prompt chunks stay on XLA's query blocks, which are real matrix products.
+
+The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else
+`g++`) against the installed jaxlib's FFI headers, for this CPU (`-march=native`),
+and cached in `$KVPAGE_CACHE_DIR` (default `~/.cache/kvpage`) under a key of the
+source, the flags, the jaxlib version and the CPU's model and flags, so a changed CPU
+or jaxlib gets a fresh build. Where no compiler is found or the build fails, `status()`
+says why and the `cpu` implementation keeps its decode rows on the XLA path, with one
+warning in the log; so it does off the CPU backend, and for shapes the kernel does
+not take (`runs`).
+"""
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SOURCE = pathlib.Path(__file__).with_name("paged_decode.cc")
+TARGET = "kvpage_paged_decode"  # the FFI target's registered name
+# Reassociation lets the dot products and sums vectorize. Not -ffast-math: a library
+# linked with it sets the CPU to flush subnormals to zero in every thread that loads it.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+         "-fno-signed-zeros", "-fPIC", "-shared", "-std=c++17", "-w")
+# The kernel's static limits (paged_decode.cc's kMaxGroup and kMaxPageSize).
+MAX_GROUP = 16
+MAX_PAGE_SIZE = 64
+
+
+def _cpu_identity() -> str:
+  """The CPU's model and feature flags: a build for one CPU may not run on another."""
+  try:
+    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+  except OSError:
+    return platform.processor() or platform.machine()
+  wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+  return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def _cache_dir() -> pathlib.Path:
+  default = pathlib.Path.home() / ".cache" / "kvpage"
+  return pathlib.Path(os.environ.get("KVPAGE_CACHE_DIR") or default)
+
+
+def _build() -> pathlib.Path:
+  """The compiled library's path: cached, else compiled now. Raises `RuntimeError`."""
+  compiler = os.environ.get("CXX", "g++")
+  if shutil.which(compiler) is None:
+    raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set $CXX)")
+  include = jax.ffi.include_dir()
+  key = hashlib.sha256("\0".join([
+      SOURCE.read_text(), compiler, *FLAGS, include, jaxlib.__version__, _cpu_identity(),
+      platform.machine()]).encode()).hexdigest()[:16]
+  library = _cache_dir() / f"paged_decode-{key}.so"
+  if library.exists():
+    return library
+  library.parent.mkdir(parents=True, exist_ok=True)
+  # Built beside its final name, then renamed: concurrent builders (test workers) never
+  # load a half-written file.
+  with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+    partial = pathlib.Path(scratch) / library.name
+    command = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(partial)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+      raise RuntimeError(f"`{shlex.join(command)}` failed:\n{result.stderr[-2000:]}")
+    os.replace(partial, library)
+  return library
+
+
+@functools.cache
+def status() -> str:
+  """"ready" once the kernel is built and registered with XLA, else why it is not."""
+  try:
+    library = ctypes.cdll.LoadLibrary(str(_build()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KvpagePagedDecode),
+                                platform="cpu")
+  except (RuntimeError, OSError, AttributeError) as error:
+    log.warning("kvpage's CPU decode kernel is unavailable (%s); attention_impl='cpu' "
+                "uses the XLA decode path", error)
+    return f"unavailable: {error}"
+  return "ready"
+
+
+def runs(dtype: jnp.dtype, group: int, page_size: int) -> bool:
+  """Whether decode rows go through the kernel (else they stay on the XLA path): on the
+  CPU backend, with the kernel built, for fp32 queries and pages, at most `MAX_GROUP`
+  query heads per KV head (`group`) and `MAX_PAGE_SIZE` tokens a page."""
+  return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+          and group <= MAX_GROUP and page_size <= MAX_PAGE_SIZE and status() == "ready")
+
+
+def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tables: jax.Array,
+                 limits: jax.Array, *, layer: int, sm_scale: float,
+                 soft_cap: float | None = None) -> jax.Array:
+  """One query token per table row, over layer `layer` of the whole cache, in place.
+
+  Args:
+    q: `f32[n, num_heads, head_dim]`, row `s` the query of table row `s`.
+    k_cache, v_cache: `f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]`.
+    page_tables: `i32[n, max_pages]`.
+    limits: `i32[n]`: row `s` sees the keys at positions below `limits[s]`; a row
+      whose limit is 0 (padding, or a prompt chunk's row in a mixed step) is zeros.
+    layer, sm_scale, soft_cap: static; `soft_cap` None for none.
+  Returns:
+    `f32[n, num_heads, head_dim]`, normalized.
+  """
+  if not runs(k_cache.dtype, q.shape[-2] // k_cache.shape[-4], k_cache.shape[-2]) or (
+      q.dtype != k_cache.dtype):
+    raise ValueError(f"the CPU decode kernel does not run here ({status()}; backend "
+                     f"{jax.default_backend()}, q {q.dtype}{list(q.shape)}, cache "
+                     f"{k_cache.dtype}{list(k_cache.shape)})")
+  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  return call(q, k_cache, v_cache, page_tables.astype(jnp.int32), limits.astype(jnp.int32),
+              layer=np.int64(layer), sm_scale=np.float32(sm_scale),
+              soft_cap=np.float32(soft_cap or 0.0))

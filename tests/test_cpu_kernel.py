@@ -1,0 +1,121 @@
+"""The CPU decode kernel (`kvpage.device.attention.cpu`) against the oracle and the XLA path.
+
+The kernel reads pages in place through the page table, so the cases scatter each
+sequence's history into permuted pages (`attention_cases.make_case`) and read a layer
+other than 0 of a whole cache. Shapes cover one to eight query heads per KV head,
+pages of 4 and 16 tokens, contexts ending mid-page, padding rows (limit 0), a
+soft cap, and the mixed steps whose prompt rows the kernel must leave to XLA's blocks.
+On this project's machines a C++ compiler is present, so the kernel must build; the
+tests say so rather than pass on the fallback.
+"""
+
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tiny_config
+from attention_cases import make_case
+
+from configs import scheduler as scheduler_lib
+from experiments import build
+from kvpage.device.attention import cpu, reference, xla
+from kvpage.host.request import SamplingParams
+from models import llama
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler here")
+
+
+def whole_cache(pages: np.ndarray, layer: int, num_layers: int = 3) -> jax.Array:
+  """`pages` as layer `layer` of a cache whose other layers hold other numbers."""
+  others = np.random.default_rng(layer).standard_normal((num_layers, *pages.shape))
+  return jnp.asarray(others.astype(np.float32)).at[layer].set(pages)
+
+
+def test_the_kernel_builds_and_registers():
+  assert cpu.status() == "ready"
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,page_size", [
+    (4, 4, 16), (4, 2, 16), (8, 1, 4), (6, 3, 4)])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_decode_matches_the_oracle(num_heads, num_kv_heads, page_size, soft_cap):
+  seqs = [(1, 1), (page_size, 1), (page_size + 1, 1), (5 * page_size - 3, 1), (70, 1)]
+  case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
+                   page_size=page_size, seed=num_heads + page_size, num_pad_seqs=2)
+  num_seqs, num_real = len(case.context_lens), len(seqs)
+  # Decode: sequence s's token is row s; the padding sequences' rows hold garbage.
+  q = jnp.concatenate([jnp.asarray(case.q), jnp.ones((num_seqs - num_real, num_heads, 32))])
+  layer = 1
+  out = cpu.paged_decode(q, whole_cache(case.k_pages, layer), whole_cache(case.v_pages, layer),
+                         jnp.asarray(case.page_tables), jnp.asarray(case.context_lens),
+                         layer=layer, sm_scale=0.3, soft_cap=soft_cap)
+  expected = reference.ragged_paged_attention(
+      q, jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
+      page_tables=case.page_tables, context_lens=case.context_lens,
+      query_start_loc=np.minimum(np.arange(num_seqs + 1), num_real).astype(np.int32),
+      sm_scale=0.3, soft_cap=soft_cap)
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+  assert not np.any(np.asarray(out)[num_real:])  # padding rows (limit 0) are zeros
+
+
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "mixed"])
+def test_the_cpu_paths_equal_the_xla_paths(decode_only):
+  seqs = [(40, 1), (3, 1), (17, 1)] if decode_only else [(40, 1), (17, 17), (29, 11), (8, 1)]
+  case = make_case(seqs, num_heads=4, num_kv_heads=2, head_dim=16, page_size=16, seed=7,
+                   num_pad_tokens=3, num_pad_seqs=1)
+  layer = 2
+  k, v = whole_cache(case.k_pages, layer), whole_cache(case.v_pages, layer)
+  q = jnp.asarray(case.q)
+  entry = xla.paged_decode_attention if decode_only else xla.ragged_blocked_attention
+  kwargs = dict(page_tables=case.page_tables, context_lens=case.context_lens, layer=layer)
+  if not decode_only:
+    kwargs["query_start_loc"] = case.query_start_loc
+  ours = jax.jit(lambda q, k, v: entry(q, k, v, **kwargs, decode_kernel="cpu"))(q, k, v)
+  theirs = entry(q, k, v, **kwargs, decode_kernel="xla")
+  np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_shapes_the_kernel_does_not_take_stay_on_xla():
+  assert cpu.runs("float32", group=2, page_size=16)
+  assert not cpu.runs("bfloat16", group=2, page_size=16)
+  assert not cpu.runs("float32", group=2, page_size=128)
+  assert not cpu.runs("float32", group=32, page_size=16)
+  with pytest.raises(ValueError, match="does not run here"):
+    cpu.paged_decode(jnp.zeros((1, 2, 8), jnp.bfloat16), *[jnp.zeros((1, 1, 2, 16, 8),
+                     jnp.bfloat16)] * 2, jnp.zeros((1, 1), jnp.int32),
+                     jnp.ones(1, jnp.int32), layer=0, sm_scale=1.0)
+
+
+def test_the_engine_generates_the_same_tokens_with_either_path():
+  prompts = [list(range(1, 30)), [7, 3], [42] * 9]
+
+  def tokens(impl):
+    model = tiny_config.get_config().model
+    model.attention_impl = impl
+    scheduler_config = scheduler_lib.get_scheduler_config()
+    scheduler_config.chunk_size = 8  # mixed steps: a chunk beside decodes
+    engine = build.llama_engine(model, llama.random_init(model, seed=3), scheduler_config,
+                                num_pages=32, page_size=4)
+    assert engine.executor.decode_reads_longest == (impl == "xla")
+    done = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    return [request.output_ids for request in done]
+
+  assert tokens("cpu") == tokens("xla")
+
+
+def test_loading_the_kernel_keeps_subnormals():
+  """A library linked with -ffast-math switches the loading thread to flush subnormals
+  to zero, which silently changes every float computation after it (and hypothesis
+  refuses to run). Loaded in a fresh process, the kernel must leave them alone."""
+  code = ("import numpy as np; from kvpage.device.attention import cpu; "
+          "assert cpu.status() == 'ready', cpu.status(); "
+          "print(float((np.array([1e-39], np.float32) * np.float32(1.0))[0]))")
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, check=True)
+  assert float(result.stdout) > 0.0
