@@ -4,7 +4,8 @@ r"""Does a calibrated simulator predict a real run? The tiny model on this CPU.
 
 1. Runs the real tiny model (`serve_bench --executor=jax`, warm-up before the clock)
    on workload A and keeps its `steps.jsonl`.
-2. Fits the step rates on A's steps (`experiments.calibrate`, hardware `cpu`).
+2. Fits the step rates on A's steps (`experiments.calibrate`, hardware `cpu`, the fit's
+   `--weighting`).
 3. Runs workload B, with other lengths and another arrival rate, twice: for real, and
    simulated with that calibration (same trace, same pool, same scheduler).
 4. Compares B's median step time, TTFT p50 and TPOT p50, simulated against measured
@@ -41,6 +42,9 @@ _NUM_PAGES = flags.DEFINE_integer("num_pages", 1024, "KV pages of both runs (sam
 _WORKDIR = flags.DEFINE_string("workdir", None, "Keep the runs here (default: a temp dir).")
 _OUT = flags.DEFINE_string("out", "sim_fidelity.json", "Where to write the JSON record.")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Times to run the whole procedure.")
+_WEIGHTING = flags.DEFINE_enum(
+    "weighting", "absolute", ["absolute", "relative"], "The fit's weighting "
+    "(experiments.calibrate --weighting): seconds, or each step's relative error.")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -88,13 +92,14 @@ def measure(workdir: pathlib.Path) -> dict:
   calibration_file = workdir / "cpu_calibration.json"
   fit = json.loads(_run("experiments.calibrate", f"--config={_CONFIG.value}", "--hardware=cpu",
                         f"--steps={real_a['steps_file']}", f"--out={calibration_file}",
-                        "--json"))
+                        f"--weighting={_WEIGHTING.value}", "--json"))
   real_b = _bench(workdir, "real_b", _WORKLOAD_B.value)
   sim_b = _bench(workdir, "sim_b", _WORKLOAD_B.value, "--executor=sim", "--hardware=cpu",
                  f"--calibration={calibration_file}")
   held = json.loads(_run("experiments.calibrate", f"--config={_CONFIG.value}", "--hardware=cpu",
                          f"--steps={real_a['steps_file']}",
-                         f"--test_steps={real_b['steps_file']}", "--json"))
+                         f"--test_steps={real_b['steps_file']}",
+                         f"--weighting={_WEIGHTING.value}", "--json"))
   errors = sorted(abs(row["error"]) for row in held["points"] if row["split"] == "held-out")
 
   def p50(run: dict, key: str) -> float:
@@ -108,7 +113,8 @@ def measure(workdir: pathlib.Path) -> dict:
                 holds=abs(simulated / measured - 1.0) <= target)
            for name, measured, simulated, target in rows]
   record = dict(
-      premises=dict(config=_CONFIG.value, workload_a=_WORKLOAD_A.value,
+      premises=dict(config=_CONFIG.value, weighting=_WEIGHTING.value,
+                    workload_a=_WORKLOAD_A.value,
                     workload_b=_WORKLOAD_B.value, num_pages=_NUM_PAGES.value,
                     model=real_b["summary"]["premises"]["model"],
                     policies=real_b["summary"]["premises"]["policies"], **premises.environment()),
@@ -119,7 +125,8 @@ def measure(workdir: pathlib.Path) -> dict:
       steps=dict(real_a=real_a["num_steps"], real_b=real_b["num_steps"],
                  sim_b=sim_b["num_steps"]),
       table=table)
-  print(f"sim fidelity: {_CONFIG.value}, calibrated on {real_a['num_steps']} real steps of "
+  print(f"sim fidelity: {_CONFIG.value}, calibrated ({_WEIGHTING.value} weighting) on "
+        f"{real_a['num_steps']} real steps of "
         f"workload A ({' '.join(_WORKLOAD_A.value)}), predicting workload B "
         f"({' '.join(_WORKLOAD_B.value)}), {_NUM_PAGES.value} pages")
   print(f"{'metric':<14} {'measured ms':>12} {'simulated ms':>13} {'error':>8} {'target':>7}")
