@@ -109,9 +109,9 @@ def load_kvpage(config, directory: pathlib.Path):
   return params
 
 
-def load_hf(directory: pathlib.Path):
+def load_hf(directory: pathlib.Path, attn_implementation: str = "sdpa"):
   model = transformers.LlamaForCausalLM.from_pretrained(
-      directory, attn_implementation="sdpa", dtype=torch.float32).eval()
+      directory, attn_implementation=attn_implementation, dtype=torch.float32).eval()
   model.generation_config.eos_token_id = None
   model.generation_config.pad_token_id = 0
   return model
