@@ -379,6 +379,19 @@ def test_an_id_reused_while_its_earlier_request_is_in_flight():
   assert scheduler.page_pool.num_free_pages == scheduler.page_pool.num_usable_pages
 
 
+def test_kept_pages_of_swapped_requests_never_block_the_resume_for_good():
+  """Found by the heavy-traffic test (seed 233, sync-4-step, swap, prefix caching):
+  with nothing running, the most important swapped request needs one page more than is
+  free, and the missing page is one a less important swapped request kept on the device
+  (a leading page it shared when swapped out). The scheduler stalled forever; now the
+  keeper is requeued for recompute and both finish."""
+  knobs = iter([4, 64, 0, 1, 0.0, "fixed", 1, 8, 56, 6, True])
+  scheduler = make_scheduler(lambda strategy: next(knobs), "none", "swap", (False, 4))
+  admitted, _ = run_traffic(scheduler, heavy_plan(233), 233)
+  requeued = [r for r in admitted if "requeued" in r.event_kinds()]
+  assert requeued and all(r.finish_reason in ("length", "stop") for r in requeued)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("mode", policy.PREEMPTION_MODES)
 @pytest.mark.parametrize("policy", policy.PREFILL_POLICIES)

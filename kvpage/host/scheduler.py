@@ -30,7 +30,9 @@ or is itself the least important request. The three modes (`preemption_mode`):
     are short: recomputing is a compute-bound prefill, faster than re-decoding.
   * **swap**: copy its pages to the host pool and resume it, before any waiting
     request, once device pages free up; the step output lists the page copies. When
-    the host pool cannot take it, it falls back to recompute.
+    the host pool cannot take it, it falls back to recompute. A swapped request keeps
+    the leading pages it shares on the device; if, with nothing running, those block
+    the resume of a more important one, it is requeued for recompute (`_unpin_for`).
   * **abort**: finish it with reason `"preempted"` — for deployments that prefer a
     fast error over a slow answer.
 
@@ -410,7 +412,8 @@ class Scheduler:
       target = request.num_computed_tokens + num_new
       # Beyond its host pages and the shared pages it kept on the device.
       extra = pool.pages_for(target) - len(request.host_page_ids) - len(request.page_ids)
-      if num_new == 0 or not pool.can_swap_in(request.request_id, extra):
+      if num_new == 0 or not (pool.can_swap_in(request.request_id, extra)
+                              or self._unpin_for(request, extra)):
         return
       out.swap_in.extend(pool.swap_in(request.request_id))
       pool.grow_to(request.request_id, target)
@@ -421,6 +424,28 @@ class Scheduler:
       self.running.append(request)
       request.log(self.clock(), "swapped_in", num_pages=len(request.page_ids))
       self._add(request, num_new)
+
+  def _unpin_for(self, head: Request, extra: int) -> bool:
+    """When nothing runs, no page will ever free up but those swapped requests keep on
+    the device (leading pages they shared when swapped out): if those stop `head`, the
+    most important swapped request, from resuming, the scheduler would stall for good.
+    Requeues the less important keepers for recompute, least important first, until
+    `head` fits; returns whether it does."""
+    pool = self.page_pool
+    if self.running:
+      return False  # Running requests finish and free their pages: wait for them.
+    keepers = sorted((r for r in self.swapped if r is not head and r.page_ids),
+                     key=importance, reverse=True)
+    for victim in keepers:
+      if pool.can_swap_in(head.request_id, extra):
+        break
+      self.swapped.remove(victim)
+      self.admission.remove_backlog(victim)
+      victim.host_page_ids = []
+      victim.log(self.clock(), "requeued", reason="its kept pages block a resume",
+                 num_pages=len(victim.page_ids))
+      self._requeue(victim)
+    return pool.can_swap_in(head.request_id, extra)
 
   def _admit_waiting(self, out: SchedulerOutput) -> None:
     """Moves waiting requests (FCFS) into the running set while budget and pages allow."""
