@@ -1,14 +1,16 @@
-"""The CPU decode kernel (`kvpage.device.attention.cpu`) against the oracle and the XLA path.
+"""The CPU kernels (`kvpage.device.attention.cpu`) against the oracle and the XLA paths.
 
-The kernel reads pages in place through the page table, so the cases scatter each
+The kernels read pages in place through the page table, so the cases scatter each
 sequence's history into permuted pages (`attention_cases.make_case`) and read a layer
-other than 0 of a whole cache. Shapes cover one to eight query heads per KV head,
-pages of 4 and 16 tokens, contexts ending mid-page, padding rows (limit 0), a
-soft cap, and the mixed steps whose prompt rows the kernel must leave to XLA's blocks.
-On this project's machines a C++ compiler is present, so the kernel must build; the
-tests say so rather than pass on the fallback.
+other than 0 of a whole cache. Decode: one to eight query heads per KV head, pages of
+4 and 16 tokens, contexts ending mid-page, padding rows (limit 0), a soft cap.
+Prefill: fresh prompts and chunks over a cached prefix, longer than a query block and
+a key tile, beside decodes and padding tokens (whose rows it must leave zero), every
+head size it is built for. On this project's machines a C++ compiler is present, so
+the kernels must build; the tests say so rather than pass on the fallback.
 """
 
+import itertools
 import pathlib
 import shutil
 import subprocess
@@ -64,6 +66,35 @@ def test_decode_matches_the_oracle(num_heads, num_kv_heads, page_size, soft_cap)
   assert not np.any(np.asarray(out)[num_real:])  # padding rows (limit 0) are zeros
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,page_size", [
+    (4, 2, 64, 16), (8, 1, 32, 4), (6, 3, 16, 8), (4, 4, 128, 16), (2, 1, 256, 32)])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_prefill_matches_the_oracle(num_heads, num_kv_heads, head_dim, page_size, soft_cap):
+  # (context, new tokens): a decode, fresh prompts (one past a query block of 128 rows
+  # and several key tiles of 64), chunks over a cached prefix, the shortest chunk.
+  seqs = [(40, 1), (17, 17), (29, 11), (150, 70), (3, 2), (200, 200), (8, 1)]
+  case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                   page_size=page_size, seed=head_dim + page_size, num_pad_tokens=3,
+                   num_pad_seqs=1)
+  layer = 1
+  out = cpu.paged_prefill(jnp.asarray(case.q), whole_cache(case.k_pages, layer),
+                          whole_cache(case.v_pages, layer), jnp.asarray(case.page_tables),
+                          jnp.asarray(case.query_start_loc), jnp.asarray(case.context_lens),
+                          layer=layer, sm_scale=0.3, soft_cap=soft_cap)
+  expected = reference.ragged_paged_attention(
+      jnp.asarray(case.q), jnp.asarray(case.k_pages), jnp.asarray(case.v_pages),
+      page_tables=case.page_tables, context_lens=case.context_lens,
+      query_start_loc=case.query_start_loc, sm_scale=0.3, soft_cap=soft_cap)
+  starts = np.asarray(case.query_start_loc)
+  chunk = np.zeros(len(case.q), bool)  # the tokens of sequences with 2+ new tokens
+  for first, end in itertools.pairwise(starts):
+    chunk[first:end] = end - first >= 2
+  assert chunk.sum() == 17 + 11 + 70 + 2 + 200
+  np.testing.assert_allclose(np.asarray(out)[chunk], np.asarray(expected)[chunk],
+                             rtol=1e-4, atol=2e-5)
+  assert not np.any(np.asarray(out)[~chunk])  # decodes and padding are left to others
+
+
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decode", "mixed"])
 def test_the_cpu_paths_equal_the_xla_paths(decode_only):
   seqs = [(40, 1), (3, 1), (17, 1)] if decode_only else [(40, 1), (17, 17), (29, 11), (8, 1)]
@@ -90,6 +121,13 @@ def test_shapes_the_kernel_does_not_take_stay_on_xla():
     cpu.paged_decode(jnp.zeros((1, 2, 8), jnp.bfloat16), *[jnp.zeros((1, 1, 2, 16, 8),
                      jnp.bfloat16)] * 2, jnp.zeros((1, 1), jnp.int32),
                      jnp.ones(1, jnp.int32), layer=0, sm_scale=1.0)
+  assert cpu.prefill_runs("float32", head_dim=64)
+  assert not cpu.prefill_runs("bfloat16", head_dim=64)
+  assert not cpu.prefill_runs("float32", head_dim=48)
+  with pytest.raises(ValueError, match="does not run here"):
+    cpu.paged_prefill(jnp.zeros((4, 2, 48)), *[jnp.zeros((1, 1, 2, 16, 48))] * 2,
+                      jnp.zeros((1, 1), jnp.int32), jnp.asarray([0, 4], jnp.int32),
+                      jnp.asarray([4], jnp.int32), layer=0, sm_scale=1.0)
 
 
 def test_the_engine_generates_the_same_tokens_with_either_path():

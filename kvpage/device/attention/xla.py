@@ -297,8 +297,32 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
                             soft_cap, max(1, DECODE_TOKENS_PER_TILE // page_size),
                             decode_kernel)
 
-  # Prompt chunks: query blocks as large as the longest chunk needs, up to `query_block`
-  # (a `lax.switch`, so short prompts do not pad each block to the largest size).
+  if decode_kernel == "cpu" and cpu.prefill_runs(k_pages.dtype, head_dim):
+    whole = layer is not None  # the kernel reads layer `layer` of a whole cache
+    chunk_out = cpu.paged_prefill(q, k_pages if whole else k_pages[None],
+                                  v_pages if whole else v_pages[None], page_tables,
+                                  query_start_loc, context_lens, layer=layer or 0,
+                                  sm_scale=sm_scale, soft_cap=soft_cap)
+  else:
+    chunk_out = _blocked_prompt_chunks(q, k_pages, v_pages, page_tables, context_lens,
+                                       query_start_loc, is_decode, query_lens, layer=layer,
+                                       sm_scale=sm_scale, soft_cap=soft_cap,
+                                       query_block=query_block, tokens_per_tile=tokens_per_tile)
+
+  # Back to token order; padding tokens read zeros.
+  seq_ids, _ = reference.token_layout(query_start_loc, context_lens, num_tokens)
+  safe = jnp.maximum(seq_ids, 0)
+  out = jnp.where(is_decode[safe][:, None, None], decode_out[safe], chunk_out)
+  return jnp.where((seq_ids >= 0)[:, None, None], out, 0.0).astype(q.dtype)
+
+
+def _blocked_prompt_chunks(q, k_pages, v_pages, page_tables, context_lens, query_start_loc,
+                           is_decode, query_lens, *, layer, sm_scale, soft_cap, query_block,
+                           tokens_per_tile):
+  """`_prompt_chunks` with query blocks as large as the step's longest chunk needs, up
+  to `query_block` (a `lax.switch`, so short prompts do not pad each block to the
+  largest size)."""
+  page_size = k_pages.shape[-2]
   sizes = [size for size in PREFILL_BLOCK_LADDER if size < query_block] + [query_block]
   longest = jnp.max(jnp.where(is_decode, 0, query_lens), initial=0)
   index = sum((longest > size).astype(jnp.int32) for size in sizes[:-1])
@@ -308,15 +332,9 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
           sm_scale=sm_scale, soft_cap=soft_cap, query_block=size,
           pages_per_tile=max(1, min(size, tokens_per_tile) // page_size))
       for size in sizes]
-  chunk_out = (branches[0](q, page_tables, context_lens, query_start_loc) if len(sizes) == 1
-               else jax.lax.switch(index, branches, q, page_tables, context_lens,
-                                   query_start_loc))
-
-  # Back to token order; padding tokens read zeros.
-  seq_ids, _ = reference.token_layout(query_start_loc, context_lens, num_tokens)
-  safe = jnp.maximum(seq_ids, 0)
-  out = jnp.where(is_decode[safe][:, None, None], decode_out[safe], chunk_out)
-  return jnp.where((seq_ids >= 0)[:, None, None], out, 0.0).astype(q.dtype)
+  if len(sizes) == 1:
+    return branches[0](q, page_tables, context_lens, query_start_loc)
+  return jax.lax.switch(index, branches, q, page_tables, context_lens, query_start_loc)
 
 
 def _prompt_chunks(q, k_pages, v_pages, page_tables, context_lens, query_start_loc, *, layer,

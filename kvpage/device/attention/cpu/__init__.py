@@ -1,13 +1,19 @@
-"""The CPU decode kernel: paged decode attention in C++, called from XLA through its FFI.
+"""The CPU kernels: paged attention in C++, called from XLA through its FFI.
 
 XLA:CPU cannot read a page table's pages in place: `xla.py` gathers them into a fresh
 buffer (a copy of every context, per layer, per step) and then reads the copy. On the
 2-core VM this project is developed on, that made decode attention 2-4x slower than
-PyTorch's SDPA over a contiguous cache. `paged_decode.cc` reads the pages where they
-lie: one task per (sequence, KV head), an online softmax folded a page at a time, on
-XLA's own intra-op thread pool. The `cpu` attention implementation runs the XLA paths
-with their decode rows (decode-only steps, and the decodes of mixed steps) through it;
-prompt chunks stay on XLA's query blocks, which are real matrix products.
+PyTorch's SDPA over a contiguous cache, and prompt chunks ran at a quarter of XLA's
+matmul speed. `paged_attention.cc` reads the pages where they lie, on XLA's own
+intra-op thread pool, with two handlers:
+
+  * `paged_decode`: one task per (sequence, KV head), an online softmax folded a page
+    at a time, for the decode rows (decode-only steps, and the decodes of mixed steps);
+  * `paged_prefill`: one task per (sequence, KV head, query block of ~128 query rows),
+    each scoring its block against key tiles of 64 tokens with register-blocked
+    products, causal, for prompt chunks (fresh or over a cached prefix).
+
+The `cpu` attention implementation is the XLA paths with both kinds of row on them.
 
 The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else
 `g++`) against the installed jaxlib's FFI headers, for this CPU (`-march=native`),
@@ -38,15 +44,19 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = pathlib.Path(__file__).with_name("paged_decode.cc")
-TARGET = "kvpage_paged_decode"  # the FFI target's registered name
+SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
+# The FFI targets' registered names, and the library symbols that implement them.
+TARGETS = {"kvpage_paged_decode": "KvpagePagedDecode",
+           "kvpage_paged_prefill": "KvpagePagedPrefill"}
 # Reassociation lets the dot products and sums vectorize. Not -ffast-math: a library
 # linked with it sets the CPU to flush subnormals to zero in every thread that loads it.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-fPIC", "-shared", "-std=c++17", "-w")
-# The kernel's static limits (paged_decode.cc's kMaxGroup and kMaxPageSize).
+# The decode kernel's static limits (paged_attention.cc's kMaxGroup and kMaxPageSize).
 MAX_GROUP = 16
 MAX_PAGE_SIZE = 64
+# Head sizes the prefill kernel is instantiated for (AttendBlock<head_dim / 16>).
+PREFILL_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _cpu_identity() -> str:
@@ -73,7 +83,7 @@ def _build() -> pathlib.Path:
   key = hashlib.sha256("\0".join([
       SOURCE.read_text(), compiler, *FLAGS, include, jaxlib.__version__, _cpu_identity(),
       platform.machine()]).encode()).hexdigest()[:16]
-  library = _cache_dir() / f"paged_decode-{key}.so"
+  library = _cache_dir() / f"paged_attention-{key}.so"
   if library.exists():
     return library
   library.parent.mkdir(parents=True, exist_ok=True)
@@ -94,11 +104,12 @@ def status() -> str:
   """"ready" once the kernel is built and registered with XLA, else why it is not."""
   try:
     library = ctypes.cdll.LoadLibrary(str(_build()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.KvpagePagedDecode),
-                                platform="cpu")
+    for target, symbol in TARGETS.items():
+      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                  platform="cpu")
   except (RuntimeError, OSError, AttributeError) as error:
-    log.warning("kvpage's CPU decode kernel is unavailable (%s); attention_impl='cpu' "
-                "uses the XLA decode path", error)
+    log.warning("kvpage's CPU attention kernels are unavailable (%s); "
+                "attention_impl='cpu' uses the XLA paths", error)
     return f"unavailable: {error}"
   return "ready"
 
@@ -131,7 +142,40 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tabl
     raise ValueError(f"the CPU decode kernel does not run here ({status()}; backend "
                      f"{jax.default_backend()}, q {q.dtype}{list(q.shape)}, cache "
                      f"{k_cache.dtype}{list(k_cache.shape)})")
-  call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  call = jax.ffi.ffi_call("kvpage_paged_decode", jax.ShapeDtypeStruct(q.shape, jnp.float32))
   return call(q, k_cache, v_cache, page_tables.astype(jnp.int32), limits.astype(jnp.int32),
+              layer=np.int64(layer), sm_scale=np.float32(sm_scale),
+              soft_cap=np.float32(soft_cap or 0.0))
+
+
+def prefill_runs(dtype: jnp.dtype, head_dim: int) -> bool:
+  """Whether prompt chunks go through the prefill kernel (else XLA's query blocks): on
+  the CPU backend, with the kernels built, fp32, a head size in `PREFILL_HEAD_DIMS`."""
+  return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
+          and head_dim in PREFILL_HEAD_DIMS and status() == "ready")
+
+
+def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tables: jax.Array,
+                  query_start_loc: jax.Array, context_lens: jax.Array, *, layer: int,
+                  sm_scale: float, soft_cap: float | None = None) -> jax.Array:
+  """Causal attention of every prompt chunk's tokens, over layer `layer` of the whole
+  cache, in place: `ragged_paged_attention` for the sequences with two or more new
+  tokens; the rows of the others (decodes, padding) come out zero.
+
+  Args:
+    q: `f32[num_tokens, num_heads, head_dim]`.
+    k_cache, v_cache: `f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]`.
+    page_tables, query_start_loc, context_lens: as in `ragged_paged_attention`.
+    layer, sm_scale, soft_cap: static; `soft_cap` None for none.
+  Returns:
+    `f32[num_tokens, num_heads, head_dim]`, normalized.
+  """
+  if not prefill_runs(k_cache.dtype, q.shape[-1]) or q.dtype != k_cache.dtype:
+    raise ValueError(f"the CPU prefill kernel does not run here ({status()}; backend "
+                     f"{jax.default_backend()}, q {q.dtype}{list(q.shape)}, cache "
+                     f"{k_cache.dtype}{list(k_cache.shape)})")
+  call = jax.ffi.ffi_call("kvpage_paged_prefill", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  return call(q, k_cache, v_cache, page_tables.astype(jnp.int32),
+              query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32),
               layer=np.int64(layer), sm_scale=np.float32(sm_scale),
               soft_cap=np.float32(soft_cap or 0.0))

@@ -1,0 +1,511 @@
+// Paged attention for XLA:CPU, as XLA FFI handlers that read each sequence's pages
+// where they lie in the pool.
+//
+// XLA:CPU has no way to express this without first gathering every page a step reads
+// into a fresh buffer (a copy of the whole context, per layer, per step), then reading
+// the copy again. Two handlers read the pages in place instead:
+//
+// * `PagedDecode`: one query token per sequence. Each (sequence, KV head) is one task:
+//   its query heads walk the page table and fold each page into an online softmax (the
+//   reference's update, a page at a time), so keys and values are read once.
+//   Operands: q f32[S, H, D] (row s: sequence s's query), k_cache and v_cache
+//   f32[L, KVH, P, PS, D] (the whole cache; `layer` picks one), page_tables s32[S, W],
+//   limits s32[S] (row s sees keys at positions < limits[s]; 0: a padding or
+//   non-decode row, which comes out zero). Result: f32[S, H, D].
+// * `PagedPrefill`: prompt chunks, causal. Each (sequence, KV head, query block) is one
+//   task: a block of a chunk's tokens times the KV head's query heads (about 128 query
+//   rows) folds key tiles of 64 tokens into an online softmax, scoring the whole block
+//   against a tile with register-blocked products (a small matrix multiply) rather
+//   than one row at a time. Operands: q f32[T, H, D], the caches, page_tables,
+//   query_start_loc s32[S+1], context_lens s32[S]. A sequence with fewer than two new
+//   tokens (a decode, or padding) is left to the decode handler: its rows, and the
+//   padding tokens', come out zero. Result: f32[T, H, D].
+//
+// Both take the attributes layer, sm_scale and soft_cap (0: none), and run their tasks
+// on XLA's intra-op thread pool.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxGroup = 16;     // query heads per KV head this kernel handles
+constexpr int kMaxPageSize = 64;  // tokens per page this kernel handles
+// Below any score: the running max before the first page.
+constexpr float kNoScore = -1e30f;
+
+// exp(x) for the x <= 0 of an online softmax (a score minus the running max), written
+// so the compiler vectorizes it: exp(x) = 2^n * 2^f with n = round(x log2 e) and 2^f on
+// [-1/2, 1/2] by Cephes' exp2f polynomial (relative error below 2e-7). No -ffast-math:
+// loading a library built with it would flush subnormals process-wide.
+inline float ExpNonPositive(float x) {
+  const float t = std::max(x, -87.0f) * 1.44269504088896341f;  // log2(e)
+  const float n = std::floor(t + 0.5f);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n >= -126
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Problem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* tables;
+  const int32_t* limits;
+  float* out;
+  int64_t num_heads, num_kv_heads, num_pages, page_size, head_dim, table_width;
+  int64_t layer;
+  float sm_scale, soft_cap;
+};
+
+// One sequence's query heads of one KV head, folded over its pages.
+void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
+  const int64_t d = p.head_dim, group = p.num_heads / p.num_kv_heads;
+  float* out = p.out + (seq * p.num_heads + kv_head * group) * d;
+  const int64_t limit = p.limits[seq];
+  if (limit <= 0) {
+    std::fill(out, out + group * d, 0.0f);
+    return;
+  }
+  const float* q = p.q + (seq * p.num_heads + kv_head * group) * d;
+  std::vector<float> scaled(group * d), acc(group * d, 0.0f);
+  for (int64_t i = 0; i < group * d; ++i) scaled[i] = q[i] * p.sm_scale;
+  float running_max[kMaxGroup], denominator[kMaxGroup];
+  std::fill(running_max, running_max + group, kNoScore);
+  std::fill(denominator, denominator + group, 0.0f);
+  float scores[kMaxPageSize];
+  const int64_t page_floats = p.page_size * d;
+  const int64_t head_base = (p.layer * p.num_kv_heads + kv_head) * p.num_pages;
+  const int64_t num_table_pages = (limit + p.page_size - 1) / p.page_size;
+  for (int64_t entry = 0; entry < num_table_pages; ++entry) {
+    const int64_t page = p.tables[seq * p.table_width + entry];
+    const float* keys = p.k + (head_base + page) * page_floats;
+    const float* values = p.v + (head_base + page) * page_floats;
+    const int64_t tokens = std::min(p.page_size, limit - entry * p.page_size);
+    for (int64_t r = 0; r < group; ++r) {
+      const float* qr = scaled.data() + r * d;
+      float page_max = kNoScore;
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float* kt = keys + t * d;
+        float s = 0.0f;
+        for (int64_t i = 0; i < d; ++i) s += qr[i] * kt[i];
+        if (p.soft_cap > 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
+        scores[t] = s;
+        page_max = std::max(page_max, s);
+      }
+      const float new_max = std::max(running_max[r], page_max);
+      const float rescale = ExpNonPositive(running_max[r] - new_max);  // ~0 at first
+      float* ar = acc.data() + r * d;
+      float page_sum = 0.0f;
+      for (int64_t t = 0; t < tokens; ++t) {
+        scores[t] = ExpNonPositive(scores[t] - new_max);
+        page_sum += scores[t];
+      }
+      for (int64_t i = 0; i < d; ++i) ar[i] *= rescale;
+      for (int64_t t = 0; t < tokens; ++t) {
+        const float weight = scores[t];
+        const float* vt = values + t * d;
+        for (int64_t i = 0; i < d; ++i) ar[i] += weight * vt[i];
+      }
+      denominator[r] = denominator[r] * rescale + page_sum;
+      running_max[r] = new_max;
+    }
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    const float inverse = 1.0f / denominator[r];
+    for (int64_t i = 0; i < d; ++i) out[r * d + i] = acc[r * d + i] * inverse;
+  }
+}
+
+// Runs `task(0) .. task(num_tasks - 1)` on the caller and XLA's intra-op pool. Helpers
+// take tasks from a shared counter while the caller works too; the caller then waits
+// only for helpers that have started: one that starts later finds the work closed and
+// returns at once. (Waiting for helpers that have not started could deadlock: under
+// several CPU devices one pool serves them all, and its threads may all be callers
+// waiting here.) The state outlives the call for them.
+class Work {
+ public:
+  Work(int64_t num_tasks, std::function<void(int64_t)> task)
+      : num_tasks_(num_tasks), task_(std::move(task)) {}
+
+  static void Run(ffi::ThreadPool& pool, int64_t num_tasks,
+                  std::function<void(int64_t)> task) {
+    auto work = std::make_shared<Work>(num_tasks, std::move(task));
+    const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0),
+                                              num_tasks - 1);
+    for (int64_t i = 0; i < helpers; ++i) {
+      pool.Schedule([work] {
+        {
+          std::lock_guard<std::mutex> lock(work->mutex_);
+          if (work->closed_) return;
+          ++work->active_;
+        }
+        work->Drain();
+        std::lock_guard<std::mutex> lock(work->mutex_);
+        if (--work->active_ == 0) work->idle_.notify_all();
+      });
+    }
+    work->Drain();
+    std::unique_lock<std::mutex> lock(work->mutex_);
+    work->closed_ = true;
+    work->idle_.wait(lock, [&] { return work->active_ == 0; });
+  }
+
+ private:
+  void Drain() {
+    for (int64_t task = next_++; task < num_tasks_; task = next_++) task_(task);
+  }
+
+  const int64_t num_tasks_;
+  const std::function<void(int64_t)> task_;
+  std::atomic<int64_t> next_{0};
+  std::mutex mutex_;
+  std::condition_variable idle_;
+  int64_t active_ = 0;   // helpers inside Drain
+  bool closed_ = false;  // the caller is done: helpers starting now do nothing
+};
+
+ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                       ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                       ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> limits,
+                       ffi::ResultBuffer<ffi::F32> out, int64_t layer, float sm_scale,
+                       float soft_cap) {
+  const auto q_dims = q.dimensions(), cache_dims = k_cache.dimensions();
+  const auto table_dims = page_tables.dimensions();
+  if (q_dims.size() != 3 || cache_dims.size() != 5 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_decode: q must be rank 3, the caches rank 5 "
+                                       "and the page tables rank 2");
+  }
+  Problem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(),
+            page_tables.typed_data(), limits.typed_data(), out->typed_data(),
+            q_dims[1], cache_dims[1], cache_dims[2], cache_dims[3], cache_dims[4],
+            table_dims[1], layer, sm_scale, soft_cap};
+  const int64_t num_seqs = q_dims[0];
+  if (q_dims[2] != p.head_dim || p.num_heads % p.num_kv_heads != 0 ||
+      p.num_heads / p.num_kv_heads > kMaxGroup || p.page_size > kMaxPageSize ||
+      table_dims[0] != num_seqs || static_cast<int64_t>(limits.element_count()) != num_seqs ||
+      layer < 0 || layer >= cache_dims[0]) {
+    return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes or layer");
+  }
+  Work::Run(pool, num_seqs * p.num_kv_heads, [&p](int64_t task) {
+    AttendOne(p, task / p.num_kv_heads, task % p.num_kv_heads);
+  });
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------
+// Prompt chunks.
+//
+// Vectors of 16 floats (GCC/Clang vector extensions: one AVX-512 register, two AVX2
+// ones, four SSE ones, as the CPU has). A key tile is 64 keys, 4 vectors of scores.
+typedef float F16 __attribute__((vector_size(64)));
+typedef float F16Unaligned __attribute__((vector_size(64), aligned(4)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+constexpr int kTileKeys = 64;
+constexpr int kTileVectors = kTileKeys / kLanes;
+constexpr int kScoreRows = 8;  // query rows scored together against a tile
+constexpr int kQueryRows = 128;  // query rows a task aims for (block tokens x group)
+
+inline F16 Load(const float* from) { return *reinterpret_cast<const F16Unaligned*>(from); }
+inline void Store(float* to, F16 value) { *reinterpret_cast<F16Unaligned*>(to) = value; }
+inline F16 Splat(float value) { return F16{} + value; }
+inline F16 Lane() {  // 0, 1, ..., 15
+  return F16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+}
+
+// ExpNonPositive on 16 lanes (x <= 0). n = trunc(t - 1/2) rounds t <= 0 to nearest.
+inline F16 ExpNonPositive(F16 x) {
+  F16 t = x * 1.44269504088896341f;
+  t = t < -125.0f ? Splat(-125.0f) : t;
+  const I16 n = __builtin_convertvector(t - 0.5f, I16);
+  const F16 f = t - __builtin_convertvector(n, F16);
+  F16 p = Splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const I16 bits = (n + 127) << 23;
+  F16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float ReduceMax(F16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float ReduceSum(F16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+struct PrefillProblem {
+  const float* q;
+  const float* k;
+  const float* v;
+  const int32_t* tables;
+  const int32_t* query_start_loc;
+  const int32_t* context_lens;
+  float* out;
+  int64_t num_heads, num_kv_heads, num_pages, page_size, table_width, layer;
+  float sm_scale, soft_cap;
+  int64_t block_tokens;  // query tokens per task
+};
+
+// One query block: `num_tokens` tokens of `seq` from token `first_token` (at position
+// `first_position`), the query heads of `kv_head`. `VD`: vectors per head_dim.
+template <int VD>
+void AttendBlock(const PrefillProblem& p, int64_t seq, int64_t kv_head, int64_t first_token,
+                 int64_t first_position, int64_t num_tokens) {
+  constexpr int64_t d = VD * kLanes;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t rows = num_tokens * group;
+  const int64_t padded_rows = (rows + kScoreRows - 1) / kScoreRows * kScoreRows;
+  // Row r: token r / group, query head kv_head * group + r % group.
+  std::vector<float> q(padded_rows * d, 0.0f), acc(padded_rows * d, 0.0f);
+  std::vector<float> scores(padded_rows * kTileKeys), running_max(padded_rows, kNoScore);
+  std::vector<float> denominator(padded_rows, 0.0f);
+  alignas(64) float keys_t[d * kTileKeys];  // the tile's keys, transposed: [d][key]
+  const float* values[kTileKeys];           // the tile's value rows, in place
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* from = p.q + ((first_token + r / group) * p.num_heads + kv_head * group +
+                               r % group) * d;
+    for (int64_t i = 0; i < d; ++i) q[r * d + i] = from[i] * p.sm_scale;
+  }
+  const int64_t page_floats = p.page_size * d;
+  const int64_t head_base = (p.layer * p.num_kv_heads + kv_head) * p.num_pages;
+  const int32_t* table = p.tables + seq * p.table_width;
+  const int64_t end = first_position + num_tokens;  // keys the last token sees
+  for (int64_t tile = 0; tile < end; tile += kTileKeys) {
+    const int64_t tile_keys = std::min<int64_t>(kTileKeys, end - tile);
+    const int64_t tile_vectors = (tile_keys + kLanes - 1) / kLanes;
+    for (int64_t t = 0; t < tile_keys; ++t) {
+      const int64_t position = tile + t;
+      const int64_t offset = (head_base + table[position / p.page_size]) * page_floats +
+                             position % p.page_size * d;
+      const float* key = p.k + offset;
+      for (int64_t i = 0; i < d; ++i) keys_t[i * kTileKeys + t] = key[i];
+      values[t] = p.v + offset;
+    }
+    for (int64_t t = tile_keys; t < tile_vectors * kLanes; ++t) {
+      for (int64_t i = 0; i < d; ++i) keys_t[i * kTileKeys + t] = 0.0f;
+    }
+    // Scores: kScoreRows rows x one vector of keys at a time, over head_dim.
+    for (int64_t r0 = 0; r0 < padded_rows; r0 += kScoreRows) {
+      const float* qr = q.data() + r0 * d;
+      for (int64_t kv = 0; kv < tile_vectors; ++kv) {
+        F16 s[kScoreRows] = {};
+        for (int64_t i = 0; i < d; ++i) {
+          const F16 key = *reinterpret_cast<const F16*>(keys_t + i * kTileKeys + kv * kLanes);
+          for (int r = 0; r < kScoreRows; ++r) s[r] += qr[r * d + i] * key;
+        }
+        for (int r = 0; r < kScoreRows; ++r) {
+          Store(scores.data() + (r0 + r) * kTileKeys + kv * kLanes, s[r]);
+        }
+      }
+    }
+    // Online softmax, row by row: mask the keys past the row's position, then turn the
+    // scores into weights (zero where masked) and rescale what came before.
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = scores.data() + r * kTileKeys;
+      const int64_t visible = std::min<int64_t>(first_position + r / group + 1 - tile,
+                                                tile_keys);
+      if (visible <= 0) {  // the whole tile is in this row's future
+        std::fill(sr, sr + tile_vectors * kLanes, 0.0f);
+        continue;
+      }
+      F16 tile_max = Splat(kNoScore);
+      for (int64_t kv = 0; kv < tile_vectors; ++kv) {
+        F16 s = Load(sr + kv * kLanes);
+        if (p.soft_cap > 0.0f) {
+          for (int i = 0; i < kLanes; ++i) s[i] = p.soft_cap * std::tanh(s[i] / p.soft_cap);
+        }
+        if ((kv + 1) * kLanes > visible) {  // keys in the row's future: no score
+          s = Lane() + static_cast<float>(kv * kLanes) < static_cast<float>(visible)
+                  ? s : Splat(kNoScore);
+        }
+        Store(sr + kv * kLanes, s);
+        tile_max = tile_max > s ? tile_max : s;
+      }
+      const float new_max = std::max(running_max[r], ReduceMax(tile_max));
+      F16 sum = {};
+      for (int64_t kv = 0; kv < tile_vectors; ++kv) {
+        F16 s = Load(sr + kv * kLanes);
+        const F16 weight = ExpNonPositive(s - new_max);
+        const F16 masked = s > kNoScore * 0.5f ? weight : F16{};
+        sum += masked;
+        Store(sr + kv * kLanes, masked);
+      }
+      const float rescale = ExpNonPositive(Splat(running_max[r] - new_max))[0];
+      denominator[r] = denominator[r] * rescale + ReduceSum(sum);
+      running_max[r] = new_max;
+      float* ar = acc.data() + r * d;
+      for (int j = 0; j < VD; ++j) Store(ar + j * kLanes, Load(ar + j * kLanes) * rescale);
+    }
+    // Weighted values: a few rows at a time, their accumulators in registers.
+    constexpr int kValueRows = VD >= 16 ? 1 : 16 / VD > 8 ? 8 : 16 / VD;
+    for (int64_t r0 = 0; r0 < padded_rows; r0 += kValueRows) {
+      const int64_t block_rows = std::min<int64_t>(kValueRows, padded_rows - r0);
+      if (block_rows < kValueRows) {  // a short last block: one row at a time
+        for (int64_t r = r0; r < padded_rows; ++r) {
+          float* ar = acc.data() + r * d;
+          for (int64_t t = 0; t < tile_keys; ++t) {
+            const float weight = scores[r * kTileKeys + t];
+            for (int j = 0; j < VD; ++j) {
+              Store(ar + j * kLanes, Load(ar + j * kLanes) + weight * Load(values[t] + j * kLanes));
+            }
+          }
+        }
+        break;
+      }
+      F16 a[kValueRows][VD];
+      for (int r = 0; r < kValueRows; ++r) {
+        for (int j = 0; j < VD; ++j) a[r][j] = Load(acc.data() + (r0 + r) * d + j * kLanes);
+      }
+      for (int64_t t = 0; t < tile_keys; ++t) {
+        F16 value[VD];
+        for (int j = 0; j < VD; ++j) value[j] = Load(values[t] + j * kLanes);
+        for (int r = 0; r < kValueRows; ++r) {
+          const float weight = scores[(r0 + r) * kTileKeys + t];
+          for (int j = 0; j < VD; ++j) a[r][j] += weight * value[j];
+        }
+      }
+      for (int r = 0; r < kValueRows; ++r) {
+        for (int j = 0; j < VD; ++j) Store(acc.data() + (r0 + r) * d + j * kLanes, a[r][j]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* to = p.out + ((first_token + r / group) * p.num_heads + kv_head * group +
+                         r % group) * d;
+    const float inverse = 1.0f / denominator[r];
+    for (int64_t i = 0; i < d; ++i) to[i] = acc[r * d + i] * inverse;
+  }
+}
+
+// A query block of the step: sequence, first token, tokens, first position.
+struct Block {
+  int64_t seq, first_token, num_tokens, first_position;
+};
+
+ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                        ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                        ffi::Buffer<ffi::S32> page_tables,
+                        ffi::Buffer<ffi::S32> query_start_loc,
+                        ffi::Buffer<ffi::S32> context_lens, ffi::ResultBuffer<ffi::F32> out,
+                        int64_t layer, float sm_scale, float soft_cap) {
+  const auto q_dims = q.dimensions(), cache_dims = k_cache.dimensions();
+  const auto table_dims = page_tables.dimensions();
+  if (q_dims.size() != 3 || cache_dims.size() != 5 || table_dims.size() != 2) {
+    return ffi::Error::InvalidArgument("paged_prefill: q must be rank 3, the caches rank 5 "
+                                       "and the page tables rank 2");
+  }
+  const int64_t num_tokens = q_dims[0], num_seqs = table_dims[0], head_dim = q_dims[2];
+  PrefillProblem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(),
+                   page_tables.typed_data(), query_start_loc.typed_data(),
+                   context_lens.typed_data(), out->typed_data(), q_dims[1], cache_dims[1],
+                   cache_dims[2], cache_dims[3], table_dims[1], layer, sm_scale, soft_cap, 0};
+  const int64_t group = p.num_heads / std::max<int64_t>(p.num_kv_heads, 1);
+  if (cache_dims[4] != head_dim || p.num_heads % p.num_kv_heads != 0 ||
+      static_cast<int64_t>(query_start_loc.element_count()) != num_seqs + 1 ||
+      static_cast<int64_t>(context_lens.element_count()) != num_seqs || layer < 0 || layer >= cache_dims[0] ||
+      (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 &&
+       head_dim != 256)) {
+    return ffi::Error::InvalidArgument("paged_prefill: inconsistent shapes or layer, or a "
+                                       "head_dim other than 16, 32, 64, 128 or 256");
+  }
+  p.block_tokens = std::max<int64_t>(1, kQueryRows / group);
+  // Every prompt chunk's query blocks, the costliest (latest) first for balance.
+  std::vector<Block> blocks;
+  std::vector<char> covered(num_tokens, 0);
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t first = p.query_start_loc[seq], count = p.query_start_loc[seq + 1] - first;
+    const int64_t context = p.context_lens[seq];
+    if (count < 2 || first < 0 || first + count > num_tokens || context < count ||
+        (context + p.page_size - 1) / p.page_size > p.table_width) {
+      continue;  // a decode or padding (left to others), or out of range: zeros
+    }
+    for (int64_t offset = 0; offset < count; offset += p.block_tokens) {
+      blocks.push_back({seq, first + offset, std::min(p.block_tokens, count - offset),
+                        context - count + offset});
+    }
+    std::fill(covered.begin() + first, covered.begin() + first + count, 1);
+  }
+  std::stable_sort(blocks.begin(), blocks.end(), [](const Block& a, const Block& b) {
+    return a.first_position > b.first_position;
+  });
+  float* out_data = out->typed_data();
+  const int64_t token_floats = p.num_heads * head_dim;
+  for (int64_t token = 0; token < num_tokens; ++token) {
+    if (!covered[token]) std::fill_n(out_data + token * token_floats, token_floats, 0.0f);
+  }
+  auto attend = [&](const Block& b, int64_t kv_head) {
+    switch (head_dim) {
+      case 16: return AttendBlock<1>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
+      case 32: return AttendBlock<2>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
+      case 64: return AttendBlock<4>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
+      case 128: return AttendBlock<8>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
+      default: return AttendBlock<16>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
+    }
+  };
+  Work::Run(pool, static_cast<int64_t>(blocks.size()) * p.num_kv_heads, [&](int64_t task) {
+    attend(blocks[task / p.num_kv_heads], task % p.num_kv_heads);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedDecode, PagedDecode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedPrefill, PagedPrefill,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap"));
