@@ -332,7 +332,7 @@ def main(argv: list[str]) -> None:
   print(f"kvpage vs HF generate: {m.name} ({m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, vocab {m.vocab_size}), fp32 "
         f"weights, {config.cache.kv_dtype} KV cache, kvpage attention {m.attention_impl} "
-        f"(CPU decode kernel: {cpu_kernel.status()}), greedy, all prompts at once, page "
+        f"(CPU kernels: {cpu_kernel.status()}), greedy, all prompts at once, page "
         f"size {config.cache.page_size}, CPU, torch "
         f"{torch.get_num_threads()} threads, HF attention "
         f"{hf_model.config._attn_implementation}; best of {_REPEATS.value} rounds "
@@ -353,7 +353,7 @@ def main(argv: list[str]) -> None:
       "sized for the whole batch above the watermark; multi-step engines: "
       f"{', '.join(_DECODE_STEPS.value) or 'none'}",
       scheduler=config.scheduler.to_dict(), attention_impl=m.attention_impl,
-      cpu_decode_kernel=cpu_kernel.status(),
+      cpu_kernels=cpu_kernel.status(),
       hf_attention=hf_model.config._attn_implementation, repeats=_REPEATS.value,
       torch_threads=torch.get_num_threads(), **premises.environment()), rows=rows)
   with open(_OUT.value, "w") as f:

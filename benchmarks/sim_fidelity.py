@@ -43,8 +43,9 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Keep the runs here (default: a 
 _OUT = flags.DEFINE_string("out", "sim_fidelity.json", "Where to write the JSON record.")
 _REPEATS = flags.DEFINE_integer("repeats", 1, "Times to run the whole procedure.")
 _WEIGHTING = flags.DEFINE_enum(
-    "weighting", "absolute", ["absolute", "relative"], "The fit's weighting "
-    "(experiments.calibrate --weighting): seconds, or each step's relative error.")
+    "weighting", "absolute", ["absolute", "relative", "by_kind"], "The fit's weighting "
+    "(experiments.calibrate --weighting): seconds, each step's relative error, or "
+    "seconds with each kind of step weighing the same.")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -50,7 +50,8 @@ _STEPS = flags.DEFINE_multi_string("steps", [], "steps.jsonl of a kvpage run to 
 _TEST_STEPS = flags.DEFINE_multi_string(
     "test_steps", [], "steps.jsonl of another run, held out (judged, not fit).")
 _WEIGHTING = flags.DEFINE_enum("weighting", "absolute", list(calibration.WEIGHTINGS),
-                               "Fit seconds (absolute) or each step's relative error.")
+                               "Fit seconds (absolute), each step's relative error, or "
+                               "seconds with each kind of step weighing the same (by_kind).")
 _KNEE = flags.DEFINE_integer("knee_tokens", None, "Tokens where small steps end; default: the "
                              "hardware's ridge point, rounded down to a power of two.")
 _OUT = flags.DEFINE_string("out", None, "Write the calibration file here.")

@@ -129,6 +129,18 @@ def test_the_fit_recovers_known_rates_from_synthetic_step_times(weighting):
   assert result.rms_relative_error < 1e-6
 
 
+def test_by_kind_weighs_each_kind_of_step_alike():
+  model = StepModel(LLAMA_13B, KNOWN, weight_dtype="fp16")
+  samples = synthetic_samples(model, 1)
+  works = [s.work for s in samples]
+  kinds = [calibration.step_kind(w) for w in works]
+  assert (kinds.count("decode"), kinds.count("prefill"), kinds.count("mixed")) == (60, 18, 20)
+  weights = calibration._weights("by_kind", works, np.array([s.seconds for s in samples]))
+  for kind in ("decode", "prefill", "mixed"):  # squared factors: each kind sums to one
+    assert sum(w * w for w, k in zip(weights, kinds, strict=True) if k == kind) == (
+        pytest.approx(1.0))
+
+
 def test_the_fit_ties_decode_attention_when_every_decode_sees_one_context():
   model = StepModel(LLAMA_13B, KNOWN, weight_dtype="fp16")
   samples = [calibration.Sample(model.work(s), model.step_cost(s).seconds)

@@ -15,7 +15,11 @@
     (the small regime's seconds per FLOP is the large one's plus a non-negative extra).
   * `weighting="absolute"` (the default) fits seconds, as the simulator adds them up
     along a run, so long steps weigh most; `"relative"` fits each step's relative
-    error, so short steps weigh as much as long ones.
+    error, so short steps weigh as much as long ones; `"by_kind"` fits seconds with
+    each kind of step (decode-only, prompt chunks alone, prompt chunks beside decodes)
+    weighing as much in all as each other kind, however many steps it has: in a
+    served run a few dozen long mixed steps would otherwise set the rates that price
+    thousands of short decode steps.
   * Decode attention and the per-sequence cost are indistinguishable when every
     decode attends to about the same context (a published profile at one context
     length): then (`tie_decode_attention`, chosen automatically by `decode_spread`)
@@ -49,7 +53,7 @@ from scipy import optimize
 from kvpage.sim.hardware import HardwareSpec
 from kvpage.sim.step_model import StepModel, StepRates, StepWork
 
-WEIGHTINGS = ("absolute", "relative")
+WEIGHTINGS = ("absolute", "relative", "by_kind")
 # Decode contexts this close to their mean (relative standard deviation) cannot tell
 # per-sequence cost from KV reads.
 TIE_SPREAD = 0.1
@@ -152,6 +156,24 @@ def _predict(x: np.ndarray, works: Sequence[StepWork], knee: int, tie: bool) -> 
   return np.array(out)
 
 
+def step_kind(work: StepWork) -> str:
+  """"decode" (no prompt chunk), "prefill" (prompt chunks only) or "mixed" (both)."""
+  if not work.has_prefill:
+    return "decode"
+  return "mixed" if work.decode_kv_bytes > 0 else "prefill"
+
+
+def _weights(weighting: str, works: Sequence[StepWork], measured: np.ndarray) -> np.ndarray:
+  """Each step's factor on its residual (see the module docstring)."""
+  if weighting == "relative":
+    return 1.0 / measured
+  if weighting == "by_kind":  # squared residuals: each kind's factors square-sum to 1
+    kinds = [step_kind(w) for w in works]
+    counts = {kind: kinds.count(kind) for kind in set(kinds)}
+    return np.array([1.0 / math.sqrt(counts[kind]) for kind in kinds])
+  return np.ones(len(works))
+
+
 def _thresholds(works: Sequence[StepWork], knee: int, small: bool) -> list[int]:
   """Candidate memory/compute thresholds for one regime: each distinct token count of
   its steps (a step is memory-bound below the threshold), plus one above them all."""
@@ -189,7 +211,7 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
   works = [s.work for s in samples]
   y = np.array([s.seconds - _fixed_seconds(model, s.work) for s in samples])
   measured = np.array([s.seconds for s in samples])
-  weights = np.ones(len(y)) if weighting == "absolute" else 1.0 / measured
+  weights = _weights(weighting, works, measured)
   # Lower bounds on the inverse rates: the datasheet's peaks (1000x beyond without caps).
   slack = 1.0 if caps else 1e-3
   lower = np.array([0.0, 0.0, 0.0, slack / hardware.hbm_bandwidth, slack / hardware.hbm_bandwidth,
