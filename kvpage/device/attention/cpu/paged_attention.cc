@@ -202,7 +202,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
             q_dims[1], cache_dims[1], cache_dims[2], cache_dims[3], cache_dims[4],
             table_dims[1], layer, sm_scale, soft_cap};
   const int64_t num_seqs = q_dims[0];
-  if (q_dims[2] != p.head_dim || p.num_heads % p.num_kv_heads != 0 ||
+  if (p.num_kv_heads <= 0 || q_dims[2] != p.head_dim || p.num_heads % p.num_kv_heads != 0 ||
       p.num_heads / p.num_kv_heads > kMaxGroup || p.page_size > kMaxPageSize ||
       table_dims[0] != num_seqs || static_cast<int64_t>(limits.element_count()) != num_seqs ||
       layer < 0 || layer >= cache_dims[0]) {
@@ -276,15 +276,21 @@ struct PrefillProblem {
   float* out;
   int64_t num_heads, num_kv_heads, num_pages, page_size, table_width, layer;
   float sm_scale, soft_cap;
-  int64_t block_tokens;  // query tokens per task
 };
 
-// One query block: `num_tokens` tokens of `seq` from token `first_token` (at position
-// `first_position`), the query heads of `kv_head`. `VD`: vectors per head_dim.
+// A query block: `num_tokens` new tokens of sequence `seq` from token `first_token`
+// of the step, the first at position `first_position`.
+struct Block {
+  int64_t seq, first_token, num_tokens, first_position;
+};
+
+// One query block's attention, over the query heads of `kv_head`. `VD`: vectors per
+// head_dim.
 template <int VD>
-void AttendBlock(const PrefillProblem& p, int64_t seq, int64_t kv_head, int64_t first_token,
-                 int64_t first_position, int64_t num_tokens) {
+void AttendBlock(const PrefillProblem& p, const Block& block, int64_t kv_head) {
   constexpr int64_t d = VD * kLanes;
+  const int64_t seq = block.seq, first_token = block.first_token;
+  const int64_t num_tokens = block.num_tokens, first_position = block.first_position;
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t rows = num_tokens * group;
   const int64_t padded_rows = (rows + kScoreRows - 1) / kScoreRows * kScoreRows;
@@ -369,22 +375,11 @@ void AttendBlock(const PrefillProblem& p, int64_t seq, int64_t kv_head, int64_t 
       float* ar = acc.data() + r * d;
       for (int j = 0; j < VD; ++j) Store(ar + j * kLanes, Load(ar + j * kLanes) * rescale);
     }
-    // Weighted values: a few rows at a time, their accumulators in registers.
+    // Weighted values: a few rows at a time, their accumulators in registers. (Rows
+    // are padded to a multiple of kScoreRows, which kValueRows divides.)
     constexpr int kValueRows = VD >= 16 ? 1 : 16 / VD > 8 ? 8 : 16 / VD;
+    static_assert(kScoreRows % kValueRows == 0, "value blocks must tile the padded rows");
     for (int64_t r0 = 0; r0 < padded_rows; r0 += kValueRows) {
-      const int64_t block_rows = std::min<int64_t>(kValueRows, padded_rows - r0);
-      if (block_rows < kValueRows) {  // a short last block: one row at a time
-        for (int64_t r = r0; r < padded_rows; ++r) {
-          float* ar = acc.data() + r * d;
-          for (int64_t t = 0; t < tile_keys; ++t) {
-            const float weight = scores[r * kTileKeys + t];
-            for (int j = 0; j < VD; ++j) {
-              Store(ar + j * kLanes, Load(ar + j * kLanes) + weight * Load(values[t] + j * kLanes));
-            }
-          }
-        }
-        break;
-      }
       F16 a[kValueRows][VD];
       for (int r = 0; r < kValueRows; ++r) {
         for (int j = 0; j < VD; ++j) a[r][j] = Load(acc.data() + (r0 + r) * d + j * kLanes);
@@ -410,11 +405,6 @@ void AttendBlock(const PrefillProblem& p, int64_t seq, int64_t kv_head, int64_t 
   }
 }
 
-// A query block of the step: sequence, first token, tokens, first position.
-struct Block {
-  int64_t seq, first_token, num_tokens, first_position;
-};
-
 ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                         ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
                         ffi::Buffer<ffi::S32> page_tables,
@@ -431,17 +421,19 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   PrefillProblem p{q.typed_data(), k_cache.typed_data(), v_cache.typed_data(),
                    page_tables.typed_data(), query_start_loc.typed_data(),
                    context_lens.typed_data(), out->typed_data(), q_dims[1], cache_dims[1],
-                   cache_dims[2], cache_dims[3], table_dims[1], layer, sm_scale, soft_cap, 0};
-  const int64_t group = p.num_heads / std::max<int64_t>(p.num_kv_heads, 1);
-  if (cache_dims[4] != head_dim || p.num_heads % p.num_kv_heads != 0 ||
+                   cache_dims[2], cache_dims[3], table_dims[1], layer, sm_scale, soft_cap};
+  if (p.num_kv_heads <= 0 || cache_dims[4] != head_dim ||
+      p.num_heads % p.num_kv_heads != 0 ||
       static_cast<int64_t>(query_start_loc.element_count()) != num_seqs + 1 ||
-      static_cast<int64_t>(context_lens.element_count()) != num_seqs || layer < 0 || layer >= cache_dims[0] ||
+      static_cast<int64_t>(context_lens.element_count()) != num_seqs || layer < 0 ||
+      layer >= cache_dims[0] ||
       (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 &&
        head_dim != 256)) {
     return ffi::Error::InvalidArgument("paged_prefill: inconsistent shapes or layer, or a "
                                        "head_dim other than 16, 32, 64, 128 or 256");
   }
-  p.block_tokens = std::max<int64_t>(1, kQueryRows / group);
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t block_tokens = std::max<int64_t>(1, kQueryRows / group);
   // Every prompt chunk's query blocks, the costliest (latest) first for balance.
   std::vector<Block> blocks;
   std::vector<char> covered(num_tokens, 0);
@@ -452,8 +444,8 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
         (context + p.page_size - 1) / p.page_size > p.table_width) {
       continue;  // a decode or padding (left to others), or out of range: zeros
     }
-    for (int64_t offset = 0; offset < count; offset += p.block_tokens) {
-      blocks.push_back({seq, first + offset, std::min(p.block_tokens, count - offset),
+    for (int64_t offset = 0; offset < count; offset += block_tokens) {
+      blocks.push_back({seq, first + offset, std::min(block_tokens, count - offset),
                         context - count + offset});
     }
     std::fill(covered.begin() + first, covered.begin() + first + count, 1);
@@ -466,13 +458,13 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   for (int64_t token = 0; token < num_tokens; ++token) {
     if (!covered[token]) std::fill_n(out_data + token * token_floats, token_floats, 0.0f);
   }
-  auto attend = [&](const Block& b, int64_t kv_head) {
+  auto attend = [&](const Block& block, int64_t kv_head) {
     switch (head_dim) {
-      case 16: return AttendBlock<1>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
-      case 32: return AttendBlock<2>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
-      case 64: return AttendBlock<4>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
-      case 128: return AttendBlock<8>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
-      default: return AttendBlock<16>(p, b.seq, kv_head, b.first_token, b.first_position, b.num_tokens);
+      case 16: return AttendBlock<1>(p, block, kv_head);
+      case 32: return AttendBlock<2>(p, block, kv_head);
+      case 64: return AttendBlock<4>(p, block, kv_head);
+      case 128: return AttendBlock<8>(p, block, kv_head);
+      default: return AttendBlock<16>(p, block, kv_head);
     }
   };
   Work::Run(pool, static_cast<int64_t>(blocks.size()) * p.num_kv_heads, [&](int64_t task) {
