@@ -43,16 +43,20 @@ def test_the_kernel_builds_and_registers():
   assert cpu.status() == "ready"
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,page_size", [
-    (4, 4, 16), (4, 2, 16), (8, 1, 4), (6, 3, 4)])
+# Head sizes of 16-float vectors take the vectorized task (16 keys a time, pages of 16,
+# 32 or 64 tokens walked in 16s); 48 takes the generic one.
+@pytest.mark.parametrize("num_heads,num_kv_heads,page_size,head_dim", [
+    (4, 4, 16, 32), (4, 2, 16, 64), (8, 1, 4, 128), (6, 3, 4, 48), (2, 1, 32, 16),
+    (4, 2, 64, 64)])
 @pytest.mark.parametrize("soft_cap", [None, 5.0])
-def test_decode_matches_the_oracle(num_heads, num_kv_heads, page_size, soft_cap):
+def test_decode_matches_the_oracle(num_heads, num_kv_heads, page_size, head_dim, soft_cap):
   seqs = [(1, 1), (page_size, 1), (page_size + 1, 1), (5 * page_size - 3, 1), (70, 1)]
-  case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
+  case = make_case(seqs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                    page_size=page_size, seed=num_heads + page_size, num_pad_seqs=2)
   num_seqs, num_real = len(case.context_lens), len(seqs)
   # Decode: sequence s's token is row s; the padding sequences' rows hold garbage.
-  q = jnp.concatenate([jnp.asarray(case.q), jnp.ones((num_seqs - num_real, num_heads, 32))])
+  q = jnp.concatenate([jnp.asarray(case.q),
+                       jnp.ones((num_seqs - num_real, num_heads, head_dim))])
   layer = 1
   out = cpu.paged_decode(q, whole_cache(case.k_pages, layer), whole_cache(case.v_pages, layer),
                          jnp.asarray(case.page_tables), jnp.asarray(case.context_lens),

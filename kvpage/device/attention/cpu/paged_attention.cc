@@ -6,8 +6,9 @@
 // the copy again. Two handlers read the pages in place instead:
 //
 // * `PagedDecode`: one query token per sequence. Each (sequence, KV head) is one task:
-//   its query heads walk the page table and fold each page into an online softmax (the
-//   reference's update, a page at a time), so keys and values are read once.
+//   its query heads walk the page table, 16 keys at a time, folding them into an online
+//   softmax (the reference's update), so keys and values are read once; the next
+//   page is prefetched while one is read, since pages lie anywhere in the pool.
 //   Operands: q f32[S, H, D] (row s: sequence s's query), k_cache and v_cache
 //   f32[L, KVH, P, PS, D] (the whole cache; `layer` picks one), page_tables s32[S, W],
 //   limits s32[S] (row s sees keys at positions < limits[s]; 0: a padding or
@@ -43,8 +44,24 @@ namespace {
 
 constexpr int kMaxGroup = 16;     // query heads per KV head this kernel handles
 constexpr int kMaxPageSize = 64;  // tokens per page this kernel handles
+constexpr int64_t kFloatsPerLine = 16;  // a 64-byte cache line
 // Below any score: the running max before the first page.
 constexpr float kNoScore = -1e30f;
+
+// Vectors of 16 floats (GCC/Clang vector extensions: one AVX-512 register, two AVX2
+// ones, four SSE ones, as the CPU has).
+typedef float F16 __attribute__((vector_size(64)));
+typedef float F16Unaligned __attribute__((vector_size(64), aligned(4)));
+typedef int32_t I16 __attribute__((vector_size(64)));
+constexpr int kLanes = 16;
+
+inline F16 Load(const float* from) { return *reinterpret_cast<const F16Unaligned*>(from); }
+inline void Store(float* to, F16 value) { *reinterpret_cast<F16Unaligned*>(to) = value; }
+inline F16 Splat(float value) { return F16{} + value; }
+inline F16 Lane() {  // 0, 1, ..., 15
+  return F16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+}
+
 
 // exp(x) for the x <= 0 of an online softmax (a score minus the running max), written
 // so the compiler vectorizes it: exp(x) = 2^n * 2^f with n = round(x log2 e) and 2^f on
@@ -67,6 +84,64 @@ inline float ExpNonPositive(float x) {
   return p * scale;
 }
 
+// ExpNonPositive on 16 lanes (x <= 0). n = trunc(t - 1/2) rounds t <= 0 to nearest.
+inline F16 ExpNonPositive(F16 x) {
+  F16 t = x * 1.44269504088896341f;
+  t = t < -125.0f ? Splat(-125.0f) : t;
+  const I16 n = __builtin_convertvector(t - 0.5f, I16);
+  const F16 f = t - __builtin_convertvector(n, F16);
+  F16 p = Splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const I16 bits = (n + 127) << 23;
+  F16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float ReduceMax(F16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+inline float ReduceSum(F16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Lane t of the result: the sum of the lanes of part[t]. A transpose-and-add tree
+// (16 -> 8 -> 4 -> 2 -> 1 partial sums a vector) that leaves lane L holding the vector
+// at position bitreverse(L): so callers store key t's partial sums at kBitReversed[t].
+constexpr int kBitReversed[kLanes] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+
+inline F16 SumLanes(const F16 (&part)[kLanes]) {
+  F16 half[8], quarter[4], eighth[2];
+  for (int i = 0; i < 8; ++i) {
+    const F16 x = part[2 * i], y = part[2 * i + 1];
+    half[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+              __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const F16 x = half[2 * i], y = half[2 * i + 1];
+    quarter[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+                 __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const F16 x = quarter[2 * i], y = quarter[2 * i + 1];
+    eighth[i] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+                __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  }
+  const F16 x = eighth[0], y = eighth[1];
+  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
 struct Problem {
   const float* q;
   const float* k;
@@ -79,7 +154,8 @@ struct Problem {
   float sm_scale, soft_cap;
 };
 
-// One sequence's query heads of one KV head, folded over its pages.
+// One sequence's query heads of one KV head, folded over its pages: any head_dim (the
+// handler takes AttendOneVectorized for multiples of 16 up to 256).
 void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
   const int64_t d = p.head_dim, group = p.num_heads / p.num_kv_heads;
   float* out = p.out + (seq * p.num_heads + kv_head * group) * d;
@@ -103,6 +179,13 @@ void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
     const float* keys = p.k + (head_base + page) * page_floats;
     const float* values = p.v + (head_base + page) * page_floats;
     const int64_t tokens = std::min(p.page_size, limit - entry * p.page_size);
+    if (entry + 1 < num_table_pages) {  // the next page is elsewhere: ask for it now
+      const int64_t next = (head_base + p.tables[seq * p.table_width + entry + 1]) * page_floats;
+      for (int64_t i = 0; i < page_floats; i += kFloatsPerLine) {
+        __builtin_prefetch(p.k + next + i);
+        __builtin_prefetch(p.v + next + i);
+      }
+    }
     for (int64_t r = 0; r < group; ++r) {
       const float* qr = scaled.data() + r * d;
       float page_max = kNoScore;
@@ -135,6 +218,91 @@ void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
   for (int64_t r = 0; r < group; ++r) {
     const float inverse = 1.0f / denominator[r];
     for (int64_t i = 0; i < d; ++i) out[r * d + i] = acc[r * d + i] * inverse;
+  }
+}
+
+// AttendOne for a head_dim of `VD` vectors, 16 keys at a time: each key's products
+// with a query head are summed across vectors, then the 16 keys' sums across lanes at
+// once (`SumLanes`), instead of one horizontal sum per key; the weighted values fold
+// into all the group's accumulators per value row loaded.
+template <int VD>
+void AttendOneVectorized(const Problem& p, int64_t seq, int64_t kv_head) {
+  constexpr int64_t d = VD * kLanes;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  float* out = p.out + (seq * p.num_heads + kv_head * group) * d;
+  const int64_t limit = p.limits[seq];
+  if (limit <= 0) {
+    std::fill(out, out + group * d, 0.0f);
+    return;
+  }
+  const float* q = p.q + (seq * p.num_heads + kv_head * group) * d;
+  F16 scaled[kMaxGroup][VD], acc[kMaxGroup][VD];
+  float running_max[kMaxGroup], denominator[kMaxGroup];
+  for (int64_t r = 0; r < group; ++r) {
+    for (int j = 0; j < VD; ++j) {
+      scaled[r][j] = Load(q + r * d + j * kLanes) * p.sm_scale;
+      acc[r][j] = F16{};
+    }
+    running_max[r] = kNoScore;
+    denominator[r] = 0.0f;
+  }
+  const int64_t page_floats = p.page_size * d;
+  const int64_t head_base = (p.layer * p.num_kv_heads + kv_head) * p.num_pages;
+  const int32_t* table = p.tables + seq * p.table_width;
+  const int64_t num_table_pages = (limit + p.page_size - 1) / p.page_size;
+  for (int64_t entry = 0; entry < num_table_pages; ++entry) {
+    const float* keys = p.k + (head_base + table[entry]) * page_floats;
+    const float* values = p.v + (head_base + table[entry]) * page_floats;
+    if (entry + 1 < num_table_pages) {  // the next page is elsewhere: ask for it now
+      const int64_t next = (head_base + table[entry + 1]) * page_floats;
+      for (int64_t i = 0; i < page_floats; i += kFloatsPerLine) {
+        __builtin_prefetch(p.k + next + i);
+        __builtin_prefetch(p.v + next + i);
+      }
+    }
+    const int64_t page_tokens = std::min(p.page_size, limit - entry * p.page_size);
+    for (int64_t first = 0; first < page_tokens; first += kLanes) {
+      const int64_t tokens = std::min<int64_t>(kLanes, page_tokens - first);
+      F16 weights[kMaxGroup];
+      for (int64_t r = 0; r < group; ++r) {
+        F16 part[kLanes];
+        for (int t = 0; t < kLanes; ++t) {
+          F16 sum = {};
+          if (t < tokens) {
+            const float* key = keys + (first + t) * d;
+            for (int j = 0; j < VD; ++j) sum += scaled[r][j] * Load(key + j * kLanes);
+          }
+          part[kBitReversed[t]] = sum;
+        }
+        F16 scores = SumLanes(part);
+        if (p.soft_cap > 0.0f) {
+          for (int i = 0; i < kLanes; ++i) {
+            scores[i] = p.soft_cap * std::tanh(scores[i] / p.soft_cap);
+          }
+        }
+        const F16 visible = Lane() < static_cast<float>(tokens) ? Splat(1.0f) : F16{};
+        scores = visible > 0.0f ? scores : Splat(kNoScore);
+        const float new_max = std::max(running_max[r], ReduceMax(scores));
+        const F16 weight = ExpNonPositive(scores - new_max) * visible;
+        const float rescale = ExpNonPositive(running_max[r] - new_max);  // ~0 at first
+        for (int j = 0; j < VD; ++j) acc[r][j] *= rescale;
+        denominator[r] = denominator[r] * rescale + ReduceSum(weight);
+        running_max[r] = new_max;
+        weights[r] = weight;
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        F16 value[VD];
+        for (int j = 0; j < VD; ++j) value[j] = Load(values + (first + t) * d + j * kLanes);
+        for (int64_t r = 0; r < group; ++r) {
+          const float w = weights[r][t];
+          for (int j = 0; j < VD; ++j) acc[r][j] += w * value[j];
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < group; ++r) {
+    const float inverse = 1.0f / denominator[r];
+    for (int j = 0; j < VD; ++j) Store(out + r * d + j * kLanes, acc[r][j] * inverse);
   }
 }
 
@@ -209,62 +377,25 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes or layer");
   }
   Work::Run(pool, num_seqs * p.num_kv_heads, [&p](int64_t task) {
-    AttendOne(p, task / p.num_kv_heads, task % p.num_kv_heads);
+    const int64_t seq = task / p.num_kv_heads, kv_head = task % p.num_kv_heads;
+    switch (p.head_dim) {
+      case 16: return AttendOneVectorized<1>(p, seq, kv_head);
+      case 32: return AttendOneVectorized<2>(p, seq, kv_head);
+      case 64: return AttendOneVectorized<4>(p, seq, kv_head);
+      case 128: return AttendOneVectorized<8>(p, seq, kv_head);
+      case 256: return AttendOneVectorized<16>(p, seq, kv_head);
+      default: return AttendOne(p, seq, kv_head);
+    }
   });
   return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------
-// Prompt chunks.
-//
-// Vectors of 16 floats (GCC/Clang vector extensions: one AVX-512 register, two AVX2
-// ones, four SSE ones, as the CPU has). A key tile is 64 keys, 4 vectors of scores.
-typedef float F16 __attribute__((vector_size(64)));
-typedef float F16Unaligned __attribute__((vector_size(64), aligned(4)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
+// Prompt chunks. A key tile is 64 keys: 4 vectors of scores.
 constexpr int kTileKeys = 64;
 constexpr int kTileVectors = kTileKeys / kLanes;
 constexpr int kScoreRows = 8;  // query rows scored together against a tile
 constexpr int kQueryRows = 128;  // query rows a task aims for (block tokens x group)
-
-inline F16 Load(const float* from) { return *reinterpret_cast<const F16Unaligned*>(from); }
-inline void Store(float* to, F16 value) { *reinterpret_cast<F16Unaligned*>(to) = value; }
-inline F16 Splat(float value) { return F16{} + value; }
-inline F16 Lane() {  // 0, 1, ..., 15
-  return F16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-}
-
-// ExpNonPositive on 16 lanes (x <= 0). n = trunc(t - 1/2) rounds t <= 0 to nearest.
-inline F16 ExpNonPositive(F16 x) {
-  F16 t = x * 1.44269504088896341f;
-  t = t < -125.0f ? Splat(-125.0f) : t;
-  const I16 n = __builtin_convertvector(t - 0.5f, I16);
-  const F16 f = t - __builtin_convertvector(n, F16);
-  F16 p = Splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const I16 bits = (n + 127) << 23;
-  F16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline float ReduceMax(F16 v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-}
-
-inline float ReduceSum(F16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 struct PrefillProblem {
   const float* q;
