@@ -52,6 +52,9 @@ _TEST_STEPS = flags.DEFINE_multi_string(
 _WEIGHTING = flags.DEFINE_enum("weighting", "absolute", list(calibration.WEIGHTINGS),
                                "Fit seconds (absolute), each step's relative error, or "
                                "seconds with each kind of step weighing the same (by_kind).")
+_LOSS = flags.DEFINE_enum("loss", "squares", list(calibration.LOSSES),
+                          "Least squares (a mean fit) or least absolute deviations (a median "
+                          "fit, robust to the long tail of a shared CPU's step times).")
 _KNEE = flags.DEFINE_integer("knee_tokens", None, "Tokens where small steps end; default: the "
                              "hardware's ridge point, rounded down to a power of two.")
 _OUT = flags.DEFINE_string("out", None, "Write the calibration file here.")
@@ -144,7 +147,7 @@ def main(argv: list[str]) -> None:
   held += test
   sources = [*(_PROFILE.value), *(_STEPS.value)]
   result = calibration.fit(train, model, hardware, weighting=_WEIGHTING.value,
-                           knee_tokens=_KNEE.value, padded_work=padded,
+                           loss=_LOSS.value, knee_tokens=_KNEE.value, padded_work=padded,
                            decode_reads_longest=reads_longest,
                            source="fitted by experiments.calibrate on " + ", ".join(sources))
   priced = model.with_rates(result.rates)

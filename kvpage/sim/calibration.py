@@ -20,6 +20,12 @@
     weighing as much in all as each other kind, however many steps it has: in a
     served run a few dozen long mixed steps would otherwise set the rates that price
     thousands of short decode steps.
+  * `loss="squares"` (the default) is least squares, so each rate prices the *mean*
+    step of its kind; `"absolute"` is least absolute deviations (iteratively
+    reweighted least squares, `IRLS_ITERATIONS` solves), which prices the *median*
+    step: robust to the long tail of step times on a shared CPU, where one slow step in
+    several (a descheduled thread, a cold cache after idling) would otherwise lift
+    every step's price.
   * Decode attention and the per-sequence cost are indistinguishable when every
     decode attends to about the same context (a published profile at one context
     length): then (`tie_decode_attention`, chosen automatically by `decode_spread`)
@@ -33,7 +39,7 @@ it falls back to its sibling (small compute to large, large bandwidth to small) 
 the hardware's template, and the fit says which.
 
 The file (`save` / `load`): JSON with the rates, the fit's premises (model, tensor
-parallel, hardware, samples, weighting) and every training and held-out point.
+parallel, hardware, samples, weighting, loss) and every training and held-out point.
 
 Pure Python + numpy + scipy: never imports jax.
 """
@@ -54,6 +60,8 @@ from kvpage.sim.hardware import HardwareSpec
 from kvpage.sim.step_model import StepModel, StepRates, StepWork
 
 WEIGHTINGS = ("absolute", "relative", "by_kind")
+LOSSES = ("squares", "absolute")
+IRLS_ITERATIONS = 20  # reweighted solves for loss="absolute" (the median fit)
 # Decode contexts this close to their mean (relative standard deviation) cannot tell
 # per-sequence cost from KV reads.
 TIE_SPREAD = 0.1
@@ -80,6 +88,7 @@ class Fit:
   tied_decode_attention: bool
   not_identified: tuple[str, ...]  # rates the samples never exercised (fallbacks)
   rms_relative_error: float  # over the training samples
+  loss: str = "squares"  # LOSSES: squared errors (a mean fit) or absolute (a median fit)
 
   def describe(self) -> list[str]:
     r = self.rates
@@ -95,7 +104,8 @@ class Fit:
         + (" (tied to the small steps' weight bandwidth)" if self.tied_decode_attention else ""),
         f"all-reduce (not fit): {1e6 * r.allreduce_latency_s:.0f} us + bytes at "
         f"{r.link_bandwidth / 1e9:.4g} GB/s",
-        f"weighting {self.weighting}; RMS relative error {100 * self.rms_relative_error:.1f}%"
+        f"weighting {self.weighting}, {self.loss} loss; RMS relative error "
+        f"{100 * self.rms_relative_error:.1f}%"
         + ("; steps counted at their padded shapes (the simulator pads likewise)"
            if r.padded_work else "")
         + (", every decode row read to the step's longest context" if r.decode_reads_longest
@@ -193,12 +203,14 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
         weighting: str = "absolute", knee_tokens: int | None = None,
         tie_decode_attention: bool | None = None, caps: bool = True,
         padded_work: bool = False, decode_reads_longest: bool = False,
-        source: str = "") -> Fit:
+        source: str = "", loss: str = "squares") -> Fit:
   """Rates for `model`'s shapes that best price `samples` (see the module docstring);
   `padded_work`: the samples count padded shapes (`StepRates.padded_work`), and with
   `decode_reads_longest` padded rows read to the longest decode context."""
   if weighting not in WEIGHTINGS:
     raise ValueError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
+  if loss not in LOSSES:
+    raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
   samples = [s for s in samples if s.work.num_tokens > 0]
   if len(samples) < 3:
     raise ValueError(f"a fit needs at least 3 measured steps with tokens, got {len(samples)}")
@@ -217,16 +229,24 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
   lower = np.array([0.0, 0.0, 0.0, slack / hardware.hbm_bandwidth, slack / hardware.hbm_bandwidth,
                     slack / hardware.peak_flops, 0.0, slack / hardware.peak_flops,
                     slack / hardware.hbm_bandwidth])
+  floor = 1e-3 * float(np.median(np.abs(y * weights)))  # IRLS: no residual counts as 0
   def solve(thresholds: tuple[int, int]) -> tuple[float, np.ndarray]:
-    design = _design(works, knee, thresholds, tie) * weights[:, None]
-    scale = np.abs(design).max(axis=0)
+    unweighted = _design(works, knee, thresholds, tie)
+    scale = np.abs(unweighted * weights[:, None]).max(axis=0)
     used = scale > 0
     scale[~used] = 1.0
     low = np.where(used, lower * scale, 0.0)
-    solution = optimize.lsq_linear(design / scale, y * weights, bounds=(low, np.inf)).x / scale
-    solution = np.where(used, solution, np.nan)
+    factors = weights
+    for _ in range(IRLS_ITERATIONS if loss == "absolute" else 1):
+      design = unweighted * factors[:, None] / scale
+      scaled = optimize.lsq_linear(design, y * factors, bounds=(low, np.inf)).x
+      # Least absolute deviations by reweighting: factors^2 |r| = weights |r| / |r|.
+      residuals = np.abs(unweighted @ (scaled / scale) - y) * weights
+      factors = weights / np.sqrt(np.maximum(residuals, floor))
+    solution = np.where(used, scaled / scale, np.nan)
     x = np.where(np.isnan(solution), lower, solution)
-    return float(np.sum(((_predict(x, works, knee, tie) - y) * weights) ** 2)), solution
+    errors = (_predict(x, works, knee, tie) - y) * weights
+    return float(np.sum(np.abs(errors)) if loss == "absolute" else np.sum(errors ** 2)), solution
 
   # A coarse grid of thresholds, then every candidate between the best one's neighbours
   # (one regime at a time): exact for a few dozen distinct token counts, cheap for more.
@@ -252,7 +272,7 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
   predicted = np.array([priced.price(w).seconds for w in works])
   rms = float(np.sqrt(np.mean((predicted / measured - 1.0) ** 2)))
   return Fit(rates=rates, weighting=weighting, tied_decode_attention=tie,
-             not_identified=missing, rms_relative_error=rms)
+             not_identified=missing, rms_relative_error=rms, loss=loss)
 
 
 def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool,
@@ -350,7 +370,8 @@ def record(result: Fit, premises: dict[str, Any],
            rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
   """The calibration record: rates, premises (the fit's own included), every point."""
   return dict(rates=result.rates.to_dict(), premises=dict(
-      premises, weighting=result.weighting, tied_decode_attention=result.tied_decode_attention,
+      premises, weighting=result.weighting, loss=result.loss,
+      tied_decode_attention=result.tied_decode_attention,
       not_identified=list(result.not_identified),
       rms_relative_error=result.rms_relative_error), points=list(rows))
 
