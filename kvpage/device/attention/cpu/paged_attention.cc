@@ -34,6 +34,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -604,31 +605,33 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// The bindings both handlers share: XLA's pool, then q, k_cache, v_cache and the page
+// tables (`Operands`); the result and the attributes (`Results`).
+auto Operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+template <typename Binding>
+auto Results(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int64_t>("layer")
+      .template Attr<float>("sm_scale")
+      .template Attr<float>("soft_cap");
+}
+
 }  // namespace
 
+// Decode: + limits. Prefill: + query_start_loc, context_lens.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedDecode, PagedDecode,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("layer")
-                                  .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap"));
+                              Results(Operands().Arg<ffi::Buffer<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedPrefill, PagedPrefill,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("layer")
-                                  .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap"));
+                              Results(Operands()
+                                          .Arg<ffi::Buffer<ffi::S32>>()
+                                          .Arg<ffi::Buffer<ffi::S32>>()));
