@@ -104,16 +104,36 @@ inline F16 ExpNonPositive(F16 x) {
   return p * scale;
 }
 
+// Across the 16 lanes by halving: each step adds (or maxes) the vector with itself
+// rotated by half its width, 4 shuffles in all.
+inline F16 Rotate(F16 v, int width) {
+  switch (width) {
+    case 8:
+      return __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15,
+                                     0, 1, 2, 3, 4, 5, 6, 7);
+    case 4:
+      return __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3,
+                                     12, 13, 14, 15, 8, 9, 10, 11);
+    case 2:
+      return __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5,
+                                     10, 11, 8, 9, 14, 15, 12, 13);
+    default:
+      return __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6,
+                                     9, 8, 11, 10, 13, 12, 15, 14);
+  }
+}
+
 inline float ReduceMax(F16 v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
+  for (int width = 8; width >= 1; width /= 2) {
+    const F16 other = Rotate(v, width);
+    v = v > other ? v : other;
+  }
+  return v[0];
 }
 
 inline float ReduceSum(F16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  for (int width = 8; width >= 1; width /= 2) v += Rotate(v, width);
+  return v[0];
 }
 
 // Lane t of the result: the sum of the lanes of part[t]. A transpose-and-add tree
@@ -125,22 +145,30 @@ inline F16 SumLanes(const F16 (&part)[kLanes]) {
   F16 half[8], quarter[4], eighth[2];
   for (int i = 0; i < 8; ++i) {
     const F16 x = part[2 * i], y = part[2 * i + 1];
-    half[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-              __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    half[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7,
+                                      16, 17, 18, 19, 20, 21, 22, 23) +
+              __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15,
+                                      24, 25, 26, 27, 28, 29, 30, 31);
   }
   for (int i = 0; i < 4; ++i) {
     const F16 x = half[2 * i], y = half[2 * i + 1];
-    quarter[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-                 __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    quarter[i] = __builtin_shufflevector(x, y, 0, 1, 2, 3, 16, 17, 18, 19,
+                                         8, 9, 10, 11, 24, 25, 26, 27) +
+                 __builtin_shufflevector(x, y, 4, 5, 6, 7, 20, 21, 22, 23,
+                                         12, 13, 14, 15, 28, 29, 30, 31);
   }
   for (int i = 0; i < 2; ++i) {
     const F16 x = quarter[2 * i], y = quarter[2 * i + 1];
-    eighth[i] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-                __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    eighth[i] = __builtin_shufflevector(x, y, 0, 1, 16, 17, 4, 5, 20, 21,
+                                        8, 9, 24, 25, 12, 13, 28, 29) +
+                __builtin_shufflevector(x, y, 2, 3, 18, 19, 6, 7, 22, 23,
+                                        10, 11, 26, 27, 14, 15, 30, 31);
   }
   const F16 x = eighth[0], y = eighth[1];
-  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return __builtin_shufflevector(x, y, 0, 16, 2, 18, 4, 20, 6, 22,
+                                 8, 24, 10, 26, 12, 28, 14, 30) +
+         __builtin_shufflevector(x, y, 1, 17, 3, 19, 5, 21, 7, 23,
+                                 9, 25, 11, 27, 13, 29, 15, 31);
 }
 
 struct Problem {
@@ -452,20 +480,28 @@ void AttendBlock(const PrefillProblem& p, const Block& block, int64_t kv_head) {
       for (int64_t i = 0; i < d; ++i) keys_t[i * kTileKeys + t] = key[i];
       values[t] = p.v + offset;
     }
-    for (int64_t t = tile_keys; t < tile_vectors * kLanes; ++t) {
+    // Zeros past the tile's keys, up to the even number of key vectors scored below.
+    for (int64_t t = tile_keys; t < (tile_vectors + 1) / 2 * 2 * kLanes; ++t) {
       for (int64_t i = 0; i < d; ++i) keys_t[i * kTileKeys + t] = 0.0f;
     }
-    // Scores: kScoreRows rows x one vector of keys at a time, over head_dim.
+    // Scores: kScoreRows rows x two vectors of keys at a time, over head_dim.
     for (int64_t r0 = 0; r0 < padded_rows; r0 += kScoreRows) {
       const float* qr = q.data() + r0 * d;
-      for (int64_t kv = 0; kv < tile_vectors; ++kv) {
-        F16 s[kScoreRows] = {};
+      for (int64_t kv = 0; kv < tile_vectors; kv += 2) {  // two key vectors at a time
+        F16 s[kScoreRows][2] = {};
         for (int64_t i = 0; i < d; ++i) {
-          const F16 key = *reinterpret_cast<const F16*>(keys_t + i * kTileKeys + kv * kLanes);
-          for (int r = 0; r < kScoreRows; ++r) s[r] += qr[r * d + i] * key;
+          const float* row = keys_t + i * kTileKeys + kv * kLanes;
+          const F16 key0 = *reinterpret_cast<const F16*>(row);
+          const F16 key1 = *reinterpret_cast<const F16*>(row + kLanes);
+          for (int r = 0; r < kScoreRows; ++r) {
+            const float qi = qr[r * d + i];
+            s[r][0] += qi * key0;
+            s[r][1] += qi * key1;
+          }
         }
         for (int r = 0; r < kScoreRows; ++r) {
-          Store(scores.data() + (r0 + r) * kTileKeys + kv * kLanes, s[r]);
+          Store(scores.data() + (r0 + r) * kTileKeys + kv * kLanes, s[r][0]);
+          Store(scores.data() + (r0 + r) * kTileKeys + (kv + 1) * kLanes, s[r][1]);
         }
       }
     }
