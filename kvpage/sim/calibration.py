@@ -240,7 +240,8 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
     for _ in range(IRLS_ITERATIONS if loss == "absolute" else 1):
       design = unweighted * factors[:, None] / scale
       scaled = optimize.lsq_linear(design, y * factors, bounds=(low, np.inf)).x
-      # Least absolute deviations by reweighting: factors^2 |r| = weights |r| / |r|.
+      # Least absolute deviations by reweighting: with factors^2 = weights / |r|, each
+      # squared term factors^2 r^2 of the next solve is weights |r|.
       residuals = np.abs(unweighted @ (scaled / scale) - y) * weights
       factors = weights / np.sqrt(np.maximum(residuals, floor))
     solution = np.where(used, scaled / scale, np.nan)
