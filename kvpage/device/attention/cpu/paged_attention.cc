@@ -183,6 +183,15 @@ struct Problem {
   float sm_scale, soft_cap;
 };
 
+// Asks for the keys and values of the page at `offset` (floats into a cache), one cache
+// line at a time: pages lie anywhere in the pool, so the hardware cannot guess them.
+inline void Prefetch(const Problem& p, int64_t offset) {
+  for (int64_t i = 0; i < p.page_size * p.head_dim; i += kFloatsPerLine) {
+    __builtin_prefetch(p.k + offset + i);
+    __builtin_prefetch(p.v + offset + i);
+  }
+}
+
 // One sequence's query heads of one KV head, folded over its pages: any head_dim (the
 // handler takes AttendOneVectorized for multiples of 16 up to 256).
 void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
@@ -209,11 +218,7 @@ void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
     const float* values = p.v + (head_base + page) * page_floats;
     const int64_t tokens = std::min(p.page_size, limit - entry * p.page_size);
     if (entry + 1 < num_table_pages) {  // the next page is elsewhere: ask for it now
-      const int64_t next = (head_base + p.tables[seq * p.table_width + entry + 1]) * page_floats;
-      for (int64_t i = 0; i < page_floats; i += kFloatsPerLine) {
-        __builtin_prefetch(p.k + next + i);
-        __builtin_prefetch(p.v + next + i);
-      }
+      Prefetch(p, (head_base + p.tables[seq * p.table_width + entry + 1]) * page_floats);
     }
     for (int64_t r = 0; r < group; ++r) {
       const float* qr = scaled.data() + r * d;
@@ -283,11 +288,7 @@ void AttendOneVectorized(const Problem& p, int64_t seq, int64_t kv_head) {
     const float* keys = p.k + (head_base + table[entry]) * page_floats;
     const float* values = p.v + (head_base + table[entry]) * page_floats;
     if (entry + 1 < num_table_pages) {  // the next page is elsewhere: ask for it now
-      const int64_t next = (head_base + table[entry + 1]) * page_floats;
-      for (int64_t i = 0; i < page_floats; i += kFloatsPerLine) {
-        __builtin_prefetch(p.k + next + i);
-        __builtin_prefetch(p.v + next + i);
-      }
+      Prefetch(p, (head_base + table[entry + 1]) * page_floats);
     }
     const int64_t page_tokens = std::min(p.page_size, limit - entry * p.page_size);
     for (int64_t first = 0; first < page_tokens; first += kLanes) {
@@ -422,7 +423,6 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 // ---------------------------------------------------------------------------------
 // Prompt chunks. A key tile is 64 keys: 4 vectors of scores.
 constexpr int kTileKeys = 64;
-constexpr int kTileVectors = kTileKeys / kLanes;
 constexpr int kScoreRows = 8;  // query rows scored together against a tile
 constexpr int kQueryRows = 128;  // query rows a task aims for (block tokens x group)
 
