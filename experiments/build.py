@@ -143,7 +143,8 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                              model_config.get("attention_impl", "xla"),
                              kv_dtype=paged_cache.jnp_dtype(kv_dtype or model_config.dtype),
                              num_heads=model_config.num_heads,
-                             num_kv_heads=model_config.num_kv_heads, page_size=page_size))
+                             num_kv_heads=model_config.num_kv_heads,
+                             head_dim=model_config.head_dim))
   if jax.process_count() > 1 and multihost.is_leader():
     executor = multihost.Leader(executor)  # every process steps; process 0 schedules
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,

@@ -43,11 +43,11 @@ def test_the_kernel_builds_and_registers():
   assert cpu.status() == "ready"
 
 
-# Head sizes of 16-float vectors take the vectorized task (16 keys a time, pages of 16,
-# 32 or 64 tokens walked in 16s); 48 takes the generic one.
+# Every head size the kernel is built for; pages shorter than, as long as and longer
+# than the 16 keys it scores at a time.
 @pytest.mark.parametrize("num_heads,num_kv_heads,page_size,head_dim", [
-    (4, 4, 16, 32), (4, 2, 16, 64), (8, 1, 4, 128), (6, 3, 4, 48), (2, 1, 32, 16),
-    (4, 2, 64, 64)])
+    (4, 4, 16, 32), (4, 2, 16, 64), (8, 1, 4, 128), (6, 3, 128, 32), (2, 1, 32, 16),
+    (4, 2, 64, 256)])
 @pytest.mark.parametrize("soft_cap", [None, 5.0])
 def test_decode_matches_the_oracle(num_heads, num_kv_heads, page_size, head_dim, soft_cap):
   seqs = [(1, 1), (page_size, 1), (page_size + 1, 1), (5 * page_size - 3, 1), (70, 1)]
@@ -66,7 +66,8 @@ def test_decode_matches_the_oracle(num_heads, num_kv_heads, page_size, head_dim,
       page_tables=case.page_tables, context_lens=case.context_lens,
       query_start_loc=np.minimum(np.arange(num_seqs + 1), num_real).astype(np.int32),
       sm_scale=0.3, soft_cap=soft_cap)
-  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+  # fp32 sums in another order: up to ~1e-5 apart at head_dim 256, as for the prefill.
+  np.testing.assert_allclose(out, expected, rtol=1e-4, atol=2e-5)
   assert not np.any(np.asarray(out)[num_real:])  # padding rows (limit 0) are zeros
 
 
@@ -117,10 +118,10 @@ def test_the_cpu_paths_equal_the_xla_paths(decode_only):
 
 
 def test_shapes_the_kernel_does_not_take_stay_on_xla():
-  assert cpu.runs("float32", group=2, page_size=16)
-  assert not cpu.runs("bfloat16", group=2, page_size=16)
-  assert not cpu.runs("float32", group=2, page_size=128)
-  assert not cpu.runs("float32", group=32, page_size=16)
+  assert cpu.runs("float32", group=2, head_dim=64)
+  assert not cpu.runs("bfloat16", group=2, head_dim=64)
+  assert not cpu.runs("float32", group=2, head_dim=48)
+  assert not cpu.runs("float32", group=32, head_dim=64)
   with pytest.raises(ValueError, match="does not run here"):
     cpu.paged_decode(jnp.zeros((1, 2, 8), jnp.bfloat16), *[jnp.zeros((1, 1, 2, 16, 8),
                      jnp.bfloat16)] * 2, jnp.zeros((1, 1), jnp.int32),

@@ -71,12 +71,12 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
 
 
 def decode_reads_longest(impl: str, *, kv_dtype: Any, num_heads: int, num_kv_heads: int,
-                         page_size: int) -> bool:
+                         head_dim: int) -> bool:
   """Whether `impl`'s decode rows each read as far as the step's longest decode context
   (the XLA decode pass pads them so), rather than their own: what a step-time
   calibration must know (`kvpage.sim.calibration`)."""
   if impl == "cpu":
-    return not cpu.runs(kv_dtype, num_heads // num_kv_heads, page_size)
+    return not cpu.runs(kv_dtype, num_heads // num_kv_heads, head_dim)
   return impl == "xla"
 
 

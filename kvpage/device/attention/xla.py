@@ -128,7 +128,7 @@ def _decode_pass(q_seqs, k_pages, v_pages, page_tables, limits, num_pages, layer
   """One query token per table, `q_seqs [n, num_heads, head_dim]`, seeing the keys below
   `limits i32[n]` of its table; returns `f32[n, num_heads, head_dim]`."""
   group = q_seqs.shape[1] // k_pages.shape[-4]
-  if decode_kernel == "cpu" and cpu.runs(k_pages.dtype, group, k_pages.shape[-2]):
+  if decode_kernel == "cpu" and cpu.runs(k_pages.dtype, group, q_seqs.shape[-1]):
     whole = layer is not None  # the kernel reads layer `layer` of a whole cache
     return cpu.paged_decode(q_seqs, k_pages if whole else k_pages[None],
                             v_pages if whole else v_pages[None], page_tables, limits,

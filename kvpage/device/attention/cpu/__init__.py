@@ -52,11 +52,10 @@ TARGETS = {"kvpage_paged_decode": "KvpagePagedDecode",
 # linked with it sets the CPU to flush subnormals to zero in every thread that loads it.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
          "-fno-signed-zeros", "-fPIC", "-shared", "-std=c++17", "-w")
-# The decode kernel's static limits (paged_attention.cc's kMaxGroup and kMaxPageSize).
+# Query heads per KV head the decode kernel takes (paged_attention.cc's kMaxGroup).
 MAX_GROUP = 16
-MAX_PAGE_SIZE = 64
-# Head sizes the prefill kernel is instantiated for (AttendBlock<head_dim / 16>).
-PREFILL_HEAD_DIMS = (16, 32, 64, 128, 256)
+# Head sizes both kernels are instantiated for (head_dim / 16 vectors of 16 floats).
+HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 def _cpu_identity() -> str:
@@ -114,12 +113,12 @@ def status() -> str:
   return "ready"
 
 
-def runs(dtype: jnp.dtype, group: int, page_size: int) -> bool:
+def runs(dtype: jnp.dtype, group: int, head_dim: int) -> bool:
   """Whether decode rows go through the kernel (else they stay on the XLA path): on the
-  CPU backend, with the kernel built, for fp32 queries and pages, at most `MAX_GROUP`
-  query heads per KV head (`group`) and `MAX_PAGE_SIZE` tokens a page."""
+  CPU backend, with the kernels built, for fp32 queries and pages, at most `MAX_GROUP`
+  query heads per KV head (`group`) and a head size in `HEAD_DIMS`."""
   return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-          and group <= MAX_GROUP and page_size <= MAX_PAGE_SIZE and status() == "ready")
+          and group <= MAX_GROUP and head_dim in HEAD_DIMS and status() == "ready")
 
 
 def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tables: jax.Array,
@@ -137,7 +136,7 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tabl
   Returns:
     `f32[n, num_heads, head_dim]`, normalized.
   """
-  if not runs(k_cache.dtype, q.shape[-2] // k_cache.shape[-4], k_cache.shape[-2]) or (
+  if not runs(k_cache.dtype, q.shape[-2] // k_cache.shape[-4], q.shape[-1]) or (
       q.dtype != k_cache.dtype):
     raise ValueError(f"the CPU decode kernel does not run here ({status()}; backend "
                      f"{jax.default_backend()}, q {q.dtype}{list(q.shape)}, cache "
@@ -150,9 +149,9 @@ def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tabl
 
 def prefill_runs(dtype: jnp.dtype, head_dim: int) -> bool:
   """Whether prompt chunks go through the prefill kernel (else XLA's query blocks): on
-  the CPU backend, with the kernels built, fp32, a head size in `PREFILL_HEAD_DIMS`."""
+  the CPU backend, with the kernels built, fp32, a head size in `HEAD_DIMS`."""
   return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-          and head_dim in PREFILL_HEAD_DIMS and status() == "ready")
+          and head_dim in HEAD_DIMS and status() == "ready")
 
 
 def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tables: jax.Array,

@@ -43,8 +43,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kMaxGroup = 16;     // query heads per KV head this kernel handles
-constexpr int kMaxPageSize = 64;  // tokens per page this kernel handles
+constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel handles
 constexpr int64_t kFloatsPerLine = 16;  // a 64-byte cache line
 // Below any score: the running max before the first page.
 constexpr float kNoScore = -1e30f;
@@ -56,6 +55,12 @@ typedef float F16Unaligned __attribute__((vector_size(64), aligned(4)));
 typedef int32_t I16 __attribute__((vector_size(64)));
 constexpr int kLanes = 16;
 
+// The head sizes the kernels are instantiated for: 1, 2, 4, 8 or 16 vectors.
+inline bool SupportedHeadDim(int64_t head_dim) {
+  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 ||
+         head_dim == 256;
+}
+
 inline F16 Load(const float* from) { return *reinterpret_cast<const F16Unaligned*>(from); }
 inline void Store(float* to, F16 value) { *reinterpret_cast<F16Unaligned*>(to) = value; }
 inline F16 Splat(float value) { return F16{} + value; }
@@ -63,29 +68,11 @@ inline F16 Lane() {  // 0, 1, ..., 15
   return F16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 }
 
-
-// exp(x) for the x <= 0 of an online softmax (a score minus the running max), written
-// so the compiler vectorizes it: exp(x) = 2^n * 2^f with n = round(x log2 e) and 2^f on
-// [-1/2, 1/2] by Cephes' exp2f polynomial (relative error below 2e-7). No -ffast-math:
-// loading a library built with it would flush subnormals process-wide.
-inline float ExpNonPositive(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504088896341f;  // log2(e)
-  const float n = std::floor(t + 0.5f);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n, n >= -126
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-// ExpNonPositive on 16 lanes (x <= 0). n = trunc(t - 1/2) rounds t <= 0 to nearest.
+// exp(x) on 16 lanes, for the x <= 0 of an online softmax (a score minus the running
+// max): exp(x) = 2^n * 2^f with n = round(x log2 e), here trunc(t - 1/2) for t <= 0, and
+// 2^f on [-1/2, 1/2] by Cephes' exp2f polynomial (relative error below 2e-7). Written
+// out because -ffast-math is not an option: loading a library built with it would
+// flush subnormals process-wide.
 inline F16 ExpNonPositive(F16 x) {
   F16 t = x * 1.44269504088896341f;
   t = t < -125.0f ? Splat(-125.0f) : t;
@@ -103,6 +90,8 @@ inline F16 ExpNonPositive(F16 x) {
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
 }
+
+inline float ExpNonPositive(float x) { return ExpNonPositive(Splat(x))[0]; }
 
 // Across the 16 lanes by halving: each step adds (or maxes) the vector with itself
 // rotated by half its width, 4 shuffles in all.
@@ -192,75 +181,13 @@ inline void Prefetch(const Problem& p, int64_t offset) {
   }
 }
 
-// One sequence's query heads of one KV head, folded over its pages: any head_dim (the
-// handler takes AttendOneVectorized for multiples of 16 up to 256).
-void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
-  const int64_t d = p.head_dim, group = p.num_heads / p.num_kv_heads;
-  float* out = p.out + (seq * p.num_heads + kv_head * group) * d;
-  const int64_t limit = p.limits[seq];
-  if (limit <= 0) {
-    std::fill(out, out + group * d, 0.0f);
-    return;
-  }
-  const float* q = p.q + (seq * p.num_heads + kv_head * group) * d;
-  std::vector<float> scaled(group * d), acc(group * d, 0.0f);
-  for (int64_t i = 0; i < group * d; ++i) scaled[i] = q[i] * p.sm_scale;
-  float running_max[kMaxGroup], denominator[kMaxGroup];
-  std::fill(running_max, running_max + group, kNoScore);
-  std::fill(denominator, denominator + group, 0.0f);
-  float scores[kMaxPageSize];
-  const int64_t page_floats = p.page_size * d;
-  const int64_t head_base = (p.layer * p.num_kv_heads + kv_head) * p.num_pages;
-  const int64_t num_table_pages = (limit + p.page_size - 1) / p.page_size;
-  for (int64_t entry = 0; entry < num_table_pages; ++entry) {
-    const int64_t page = p.tables[seq * p.table_width + entry];
-    const float* keys = p.k + (head_base + page) * page_floats;
-    const float* values = p.v + (head_base + page) * page_floats;
-    const int64_t tokens = std::min(p.page_size, limit - entry * p.page_size);
-    if (entry + 1 < num_table_pages) {  // the next page is elsewhere: ask for it now
-      Prefetch(p, (head_base + p.tables[seq * p.table_width + entry + 1]) * page_floats);
-    }
-    for (int64_t r = 0; r < group; ++r) {
-      const float* qr = scaled.data() + r * d;
-      float page_max = kNoScore;
-      for (int64_t t = 0; t < tokens; ++t) {
-        const float* kt = keys + t * d;
-        float s = 0.0f;
-        for (int64_t i = 0; i < d; ++i) s += qr[i] * kt[i];
-        if (p.soft_cap > 0.0f) s = p.soft_cap * std::tanh(s / p.soft_cap);
-        scores[t] = s;
-        page_max = std::max(page_max, s);
-      }
-      const float new_max = std::max(running_max[r], page_max);
-      const float rescale = ExpNonPositive(running_max[r] - new_max);  // ~0 at first
-      float* ar = acc.data() + r * d;
-      float page_sum = 0.0f;
-      for (int64_t t = 0; t < tokens; ++t) {
-        scores[t] = ExpNonPositive(scores[t] - new_max);
-        page_sum += scores[t];
-      }
-      for (int64_t i = 0; i < d; ++i) ar[i] *= rescale;
-      for (int64_t t = 0; t < tokens; ++t) {
-        const float weight = scores[t];
-        const float* vt = values + t * d;
-        for (int64_t i = 0; i < d; ++i) ar[i] += weight * vt[i];
-      }
-      denominator[r] = denominator[r] * rescale + page_sum;
-      running_max[r] = new_max;
-    }
-  }
-  for (int64_t r = 0; r < group; ++r) {
-    const float inverse = 1.0f / denominator[r];
-    for (int64_t i = 0; i < d; ++i) out[r * d + i] = acc[r * d + i] * inverse;
-  }
-}
-
-// AttendOne for a head_dim of `VD` vectors, 16 keys at a time: each key's products
-// with a query head are summed across vectors, then the 16 keys' sums across lanes at
-// once (`SumLanes`), instead of one horizontal sum per key; the weighted values fold
-// into all the group's accumulators per value row loaded.
+// One sequence's query heads of one KV head, folded over its pages 16 keys at a time
+// (`VD`: vectors per head_dim): each key's products with a query head are summed across
+// vectors, then the 16 keys' sums across lanes at once (`SumLanes`), instead of one
+// horizontal sum per key; the weighted values fold into all the group's accumulators
+// per value row loaded.
 template <int VD>
-void AttendOneVectorized(const Problem& p, int64_t seq, int64_t kv_head) {
+void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
   constexpr int64_t d = VD * kLanes;
   const int64_t group = p.num_heads / p.num_kv_heads;
   float* out = p.out + (seq * p.num_heads + kv_head * group) * d;
@@ -401,20 +328,20 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
             table_dims[1], layer, sm_scale, soft_cap};
   const int64_t num_seqs = q_dims[0];
   if (p.num_kv_heads <= 0 || q_dims[2] != p.head_dim || p.num_heads % p.num_kv_heads != 0 ||
-      p.num_heads / p.num_kv_heads > kMaxGroup || p.page_size > kMaxPageSize ||
+      p.num_heads / p.num_kv_heads > kMaxGroup || !SupportedHeadDim(p.head_dim) ||
       table_dims[0] != num_seqs || static_cast<int64_t>(limits.element_count()) != num_seqs ||
       layer < 0 || layer >= cache_dims[0]) {
-    return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes or layer");
+    return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes or layer, or a "
+                                       "head_dim other than 16, 32, 64, 128 or 256");
   }
   Work::Run(pool, num_seqs * p.num_kv_heads, [&p](int64_t task) {
     const int64_t seq = task / p.num_kv_heads, kv_head = task % p.num_kv_heads;
     switch (p.head_dim) {
-      case 16: return AttendOneVectorized<1>(p, seq, kv_head);
-      case 32: return AttendOneVectorized<2>(p, seq, kv_head);
-      case 64: return AttendOneVectorized<4>(p, seq, kv_head);
-      case 128: return AttendOneVectorized<8>(p, seq, kv_head);
-      case 256: return AttendOneVectorized<16>(p, seq, kv_head);
-      default: return AttendOne(p, seq, kv_head);
+      case 16: return AttendOne<1>(p, seq, kv_head);
+      case 32: return AttendOne<2>(p, seq, kv_head);
+      case 64: return AttendOne<4>(p, seq, kv_head);
+      case 128: return AttendOne<8>(p, seq, kv_head);
+      default: return AttendOne<16>(p, seq, kv_head);
     }
   });
   return ffi::Error::Success();
@@ -537,7 +464,7 @@ void AttendBlock(const PrefillProblem& p, const Block& block, int64_t kv_head) {
         sum += masked;
         Store(sr + kv * kLanes, masked);
       }
-      const float rescale = ExpNonPositive(Splat(running_max[r] - new_max))[0];
+      const float rescale = ExpNonPositive(running_max[r] - new_max);
       denominator[r] = denominator[r] * rescale + ReduceSum(sum);
       running_max[r] = new_max;
       float* ar = acc.data() + r * d;
@@ -594,9 +521,7 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       p.num_heads % p.num_kv_heads != 0 ||
       static_cast<int64_t>(query_start_loc.element_count()) != num_seqs + 1 ||
       static_cast<int64_t>(context_lens.element_count()) != num_seqs || layer < 0 ||
-      layer >= cache_dims[0] ||
-      (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 &&
-       head_dim != 256)) {
+      layer >= cache_dims[0] || !SupportedHeadDim(head_dim)) {
     return ffi::Error::InvalidArgument("paged_prefill: inconsistent shapes or layer, or a "
                                        "head_dim other than 16, 32, 64, 128 or 256");
   }
