@@ -7,8 +7,9 @@ PyTorch's SDPA over a contiguous cache, and prompt chunks ran at a quarter of XL
 matmul speed. `paged_attention.cc` reads the pages where they lie, on XLA's own
 intra-op thread pool, with two handlers:
 
-  * `paged_decode`: one task per (sequence, KV head), an online softmax folded a page
-    at a time, for the decode rows (decode-only steps, and the decodes of mixed steps);
+  * `paged_decode`: one task per (sequence, KV head), an online softmax folded 16 keys
+    at a time, the next page prefetched, for the decode rows (decode-only steps, and
+    the decodes of mixed steps);
   * `paged_prefill`: one task per (sequence, KV head, query block of ~128 query rows),
     each scoring its block against key tiles of 64 tokens with register-blocked
     products, causal, for prompt chunks (fresh or over a cached prefix).
@@ -117,8 +118,7 @@ def runs(dtype: jnp.dtype, group: int, head_dim: int) -> bool:
   """Whether decode rows go through the kernel (else they stay on the XLA path): on the
   CPU backend, with the kernels built, for fp32 queries and pages, at most `MAX_GROUP`
   query heads per KV head (`group`) and a head size in `HEAD_DIMS`."""
-  return (jax.default_backend() == "cpu" and jnp.dtype(dtype) == jnp.float32
-          and group <= MAX_GROUP and head_dim in HEAD_DIMS and status() == "ready")
+  return group <= MAX_GROUP and prefill_runs(dtype, head_dim)
 
 
 def paged_decode(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tables: jax.Array,
