@@ -16,6 +16,10 @@ each sequence generates exactly `output` tokens. The contenders, each warmed up 
     for each N of `--num_decode_steps`; the best of them is the "best multi-step";
   * kvpage `prefill`: the default engine generating one token per prompt, i.e. the
     prompts' prefill (plus one sample) through the whole engine;
+  * kvpage `N replicas` (`--replicas`): N default engines over the same weights, each
+    with a pool sized for its share, stepping at once from N threads
+    (`kvpage.host.replicas`): data parallelism, a deployment choice beside the
+    scheduler's defaults, not one of them;
   * HF `generate` with its dynamic and its static cache (`attn_implementation="sdpa"`,
     torch on `--torch_threads` threads); the faster is "HF best";
   * HF `forward`: one forward pass over the same prompts (what `generate` prefills).
@@ -60,6 +64,8 @@ _PRODUCT = flags.DEFINE_bool("product", False, "Cross the three lists instead of
                              "them position by position.")
 _DECODE_STEPS = flags.DEFINE_list("num_decode_steps", ["4", "16"], "Multi-step kvpage "
                                   "engines to run beside the default (empty: none).")
+_REPLICAS = flags.DEFINE_integer("replicas", 2, "Engines of the data-parallel contender "
+                                  "(`kvpage.host.replicas`); below 2: none.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "Tokens per KV page.")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed rounds; each contender runs once a round.")
 _TORCH_THREADS = flags.DEFINE_integer("torch_threads", 2, "torch intra-op threads.")
@@ -202,6 +208,25 @@ class KvpageContender(Contender):
                 launches=len(self.records))
 
 
+class ReplicasContender(Contender):
+  """`Replicas.generate` over all prompts (each engine warmed up by a first run)."""
+
+  def __init__(self, replicas, prompts, new_tokens):
+    super().__init__()
+    self.replicas, self.prompts = replicas, prompts
+    self.sampling = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    self.run()  # warm-up: compiles every program each engine uses
+    self.walls = []
+
+  def run(self) -> None:
+    def generate():
+      requests = self.replicas.generate(self.prompts, self.sampling)
+      if any(len(r.output_ids) != self.sampling.max_tokens for r in requests):
+        raise RuntimeError("kvpage replicas generated the wrong number of tokens")
+
+    self.timed(generate)
+
+
 class HfGenerate(Contender):
   """Batched greedy `generate` with one cache implementation; `error` if it cannot run."""
 
@@ -251,10 +276,17 @@ def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
                                 kv_dtype=config.cache.kv_dtype)
     kvpage[mode] = KvpageContender(engine, prompts, output)
   kvpage["prefill"] = KvpageContender(kvpage["default"].engine, prompts, 1, record=False)
+  replicas = None
+  if _REPLICAS.value >= 2:
+    share = -(-batch // _REPLICAS.value)  # the most prompts one engine gets
+    replicas = ReplicasContender(build.llama_replicas(
+        config.model, params, config.scheduler, replicas=_REPLICAS.value,
+        num_pages=build.pages_for_work(config, [prompt + output] * share),
+        page_size=config.cache.page_size, kv_dtype=config.cache.kv_dtype), prompts, output)
   theirs = {cache: HfGenerate(hf_model, prompts, output, cache)
             for cache in ("dynamic", "static")}
   theirs["forward"] = HfForward(hf_model, prompts)
-  contenders = [*kvpage.values(), *theirs.values()]
+  contenders = [*kvpage.values(), *([replicas] if replicas else []), *theirs.values()]
   compiles_before = len(_BACKEND_COMPILES)
   # Round-robin: this VM's speed drifts, so timing the contenders in separate phases
   # would compare different machines.
@@ -274,6 +306,8 @@ def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
   row["kvpage"] = {mode: {**kvpage[mode].stats(generated), **kvpage[mode].replay_decodes()}
                    for mode in modes}
   row["kvpage_prefill"] = kvpage["prefill"].stats(prompt_tokens)
+  row["kvpage_replicas"] = (dict(replicas=_REPLICAS.value, **replicas.stats(generated))
+                            if replicas else None)
   row["hf"] = {cache: (theirs[cache].error or theirs[cache].stats(generated))
                for cache in ("dynamic", "static")}
   row["hf_forward"] = theirs["forward"].stats(prompt_tokens)
@@ -288,6 +322,8 @@ def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
       best_multi_step=best_multi,
       ratio_best_multi_step=(row["kvpage"][best_multi]["best_tokens_per_s"] / hf_best
                              if best_multi else None),
+      ratio_replicas=(row["kvpage_replicas"]["best_tokens_per_s"] / hf_best
+                      if replicas else None),
       ratio_prefill=row["kvpage_prefill"]["best_tokens_per_s"]
       / row["hf_forward"]["best_tokens_per_s"],
       peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -299,10 +335,13 @@ def format_row(row: dict) -> str:
   multi = row["best_multi_step"]
   multi_text = (f"{ours[multi]['best_tokens_per_s']:>7.0f} ({multi:>7}) "
                 f"{row['ratio_best_multi_step']:>5.2f}" if multi else f"{'-':>23}")
+  replicas = row.get("kvpage_replicas")
+  replicas_text = (f"{replicas['best_tokens_per_s']:>8.0f} {row['ratio_replicas']:>5.2f}"
+                   if replicas else f"{'-':>14}")
   return (f"{row['batch']:>5} {row['prompt_len']:>6} {row['output_len']:>6} "
           f"{default['best_tokens_per_s']:>7.0f} {default['median_tokens_per_s']:>7.0f} "
           f"{row['hf_best_tokens_per_s']:>7.0f} {row['hf_best_cache']:>7} "
-          f"{row['ratio_default']:>5.2f} {multi_text} "
+          f"{row['ratio_default']:>5.2f} {multi_text} {replicas_text} "
           f"{row['kvpage_prefill']['best_tokens_per_s']:>8.0f} "
           f"{row['hf_forward']['best_tokens_per_s']:>8.0f} {row['ratio_prefill']:>5.2f} "
           f"{default['decode_ms_per_step']:>7.2f} {row['peak_rss_bytes'] / 2**30:>6.2f}")
@@ -310,6 +349,7 @@ def format_row(row: dict) -> str:
 
 HEADER = (f"{'batch':>5} {'prompt':>6} {'output':>6} {'kvpage':>7} {'median':>7} "
           f"{'HF':>7} {'cache':>7} {'ratio':>5} {'best multi-step':>17} {'ratio':>5} "
+          f"{'replicas':>8} {'ratio':>5} "
           f"{'prefill':>8} {'HF fwd':>8} {'ratio':>5} {'dec ms':>7} {'RSS GiB':>6}")
 
 
@@ -351,7 +391,9 @@ def main(argv: list[str]) -> None:
       sampling="greedy, ignore_eos", batch_policy="all prompts submitted at once; kvpage: "
       "default scheduler (continuous batching, chunked prefill, async scheduling), pool "
       "sized for the whole batch above the watermark; multi-step engines: "
-      f"{', '.join(_DECODE_STEPS.value) or 'none'}",
+      f"{', '.join(_DECODE_STEPS.value) or 'none'}; replicas: "
+      f"{_REPLICAS.value if _REPLICAS.value >= 2 else 'none'} (each pool sized for its "
+      "share, prompts spread by KV pages promised)",
       scheduler=config.scheduler.to_dict(), attention_impl=m.attention_impl,
       cpu_kernels=cpu_kernel.status(),
       hf_attention=hf_model.config._attn_implementation, repeats=_REPEATS.value,

@@ -25,6 +25,7 @@ from kvpage.device import cache as paged_cache
 from kvpage.device import step as step_lib
 from kvpage.device.executor import JaxExecutor
 from kvpage.host.engine import Engine
+from kvpage.host.replicas import Replicas
 from kvpage.host.scheduler import Scheduler
 from kvpage.sim import calibration, capacity, memory_plan, premises
 from kvpage.sim.clock import PacedClock, VirtualClock, WallClock
@@ -153,6 +154,24 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                         vocab_size=model_config.vocab_size, prefix_caching=prefix_caching)
   return Engine(scheduler, executor, on_step=on_step,
                 async_scheduling=scheduler_config.async_scheduling)
+
+
+def llama_replicas(model_config: ml_collections.ConfigDict, params: Any,
+                   scheduler_config: ml_collections.ConfigDict, *, replicas: int,
+                   num_pages: int, page_size: int, kv_dtype: str | None = None,
+                   memory_hint: str = "lower --num_pages or --page_size") -> Replicas:
+  """`replicas` engines over one copy of the weights on the default device, each with a
+  pool of `num_pages` pages and its own scheduler (`kvpage.host.replicas`)."""
+  if not isinstance(replicas, int) or replicas < 1:
+    raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+  check_memory(model_config, num_pages=replicas * num_pages, page_size=page_size,
+               kv_dtype=kv_dtype, weights_loaded=True, hint=memory_hint)
+  params = jax.device_put(params)  # once: every engine's executor then holds these arrays
+  return Replicas([llama_engine(model_config, params,
+                                scheduler_config.copy_and_resolve_references(),
+                                num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
+                                memory_hint=memory_hint)
+                   for _ in range(replicas)])
 
 
 def mesh(model_config: ml_collections.ConfigDict,

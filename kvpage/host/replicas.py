@@ -1,0 +1,104 @@
+"""Data parallelism on one host: several engines, each with its own pool, stepping at once.
+
+`Replicas` holds `n` engines (each a scheduler, a page pool and an executor of its own,
+usually over the same weights) and runs a batch of prompts through all of them at once,
+one Python thread per engine. Each prompt goes to the engine with the fewest KV pages
+already promised: the pages its prompt and its `max_tokens` can fill, the unit the pools
+are sized in. A request never moves: its pages live in its engine's pool, and each
+engine schedules, preempts and admits within its own memory line.
+
+Why on a CPU: a step's matrix products over a few dozen rows are too small for XLA:CPU
+to split across cores (on the 2-core reference machine a decode step's dense layers at
+batch 64 take as long on two cores as on one), so one engine leaves cores idle for much
+of every decode step. Two engines each stepping half the batch keep both busy:
+`benchmarks/dense_cpu.py` measures the dense layers alone, `benchmarks/decode_cpu.py`
+the whole generation. Threads suffice because XLA releases the GIL while it computes;
+the engines' host work still takes turns on it.
+
+The price is memory's granularity: each engine's pool is its own, so a request can use
+only its engine's pages, and one long request cannot borrow another engine's free ones.
+`generate` admits every prompt (on its engine) before any engine steps, so a prompt that
+cannot fit is refused up front, with its index in the caller's list, and nothing runs.
+Host side: never imports jax.
+"""
+
+import itertools
+import threading
+from collections.abc import Sequence
+
+from kvpage.host.engine import Engine
+from kvpage.host.request import Request, SamplingParams
+
+
+class Replicas:
+  """Engines stepped concurrently, one thread each; prompts spread by KV pages promised."""
+
+  def __init__(self, engines: Sequence[Engine]):
+    engines = list(engines)
+    if not engines:
+      raise ValueError("Replicas needs at least one engine")
+    if len({id(engine) for engine in engines}) != len(engines):
+      raise ValueError("Replicas needs distinct engines: one engine listed twice would "
+                       "be stepped from two threads at once")
+    self.engines = engines
+    self._ids = itertools.count()  # request ids unique across the engines
+
+  @property
+  def num_replicas(self) -> int:
+    return len(self.engines)
+
+  def assign(self, prompts: Sequence[Sequence[int]],
+             samplings: Sequence[SamplingParams]) -> list[int]:
+    """The engine each prompt goes to: the one with the fewest pages promised so far,
+    counting the pages each prompt's tokens plus its `max_tokens` fill (first on ties)."""
+    promised = [0] * len(self.engines)
+    placement = []
+    for prompt, sampling in zip(prompts, samplings, strict=True):
+      target = min(range(len(self.engines)), key=promised.__getitem__)
+      pool = self.engines[target].scheduler.page_pool
+      promised[target] += pool.pages_for(len(prompt) + sampling.max_tokens)
+      placement.append(target)
+    return placement
+
+  def generate(self, prompts: Sequence[Sequence[int]],
+               sampling: SamplingParams | Sequence[SamplingParams]) -> list[Request]:
+    """Runs `prompts` to completion across the engines at once; returns their requests in
+    the order of `prompts` (outputs inside). Raises `ValueError`, with nothing run, if
+    an engine refuses a prompt; re-raises the first error of an engine's loop after
+    the others stop."""
+    samplings = ([sampling] * len(prompts) if isinstance(sampling, SamplingParams)
+                 else list(sampling))
+    if len(samplings) != len(prompts):
+      raise ValueError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
+    placement = self.assign(prompts, samplings)
+    requests: list[Request] = []
+    for index, (prompt, params, target) in enumerate(zip(prompts, samplings, placement)):
+      request, answer = self.engines[target].add_request(
+          prompt, params, request_id=f"req-{next(self._ids)}")
+      if not answer.admitted:
+        for admitted, engine in zip(requests, placement):
+          self.engines[engine].abort(admitted.request_id)
+        raise ValueError(f"prompt {index} rejected by replica {target} "
+                         f"({answer.status}): {answer.reason}")
+      requests.append(request)
+    errors: list[BaseException | None] = [None] * len(self.engines)
+
+    def run(index: int) -> None:
+      try:
+        self.engines[index].run_until_done()
+      except BaseException as error:  # re-raised on the caller's thread below
+        errors[index] = error
+
+    busy = sorted(set(placement))
+    threads = [threading.Thread(target=run, args=(index,), name=f"kvpage-replica-{index}")
+               for index in busy[1:]]
+    for thread in threads:
+      thread.start()
+    if busy:
+      run(busy[0])  # the caller's thread steps the first engine
+    for thread in threads:
+      thread.join()
+    for error in errors:
+      if error is not None:
+        raise error
+    return requests
