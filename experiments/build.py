@@ -113,13 +113,15 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                  clock: Callable[[], float] | None = None,
                  on_step: Callable[..., None] | None = None,
                  tensor_parallel: int = 1, prefix_caching: bool = False,
-                 memory_hint: str = "lower --num_pages or --page_size") -> Engine:
+                 memory_hint: str = "lower --num_pages or --page_size",
+                 step: step_lib.Step | None = None) -> Engine:
   """An engine serving a Llama model through a paged cache of `num_pages` pages.
 
   `kv_dtype` (default: the model's) is the cache's storage precision;
   `prefix_caching` shares the pages of computed prefixes (`cache.prefix_caching`). With
   `tensor_parallel` > 1 the step runs on that many devices (`mesh`): weights, KV heads
-  and the pool split over them, one scheduler on the host as before.
+  and the pool split over them, one scheduler on the host as before. `step`: another
+  engine's jitted step to share (`llama_replicas`).
   """
   model_config = ml_collections.FrozenConfigDict(model_config)
   tp = mesh(model_config, tensor_parallel)
@@ -145,7 +147,8 @@ def llama_engine(model_config: ml_collections.ConfigDict, params: Any,
                              kv_dtype=paged_cache.jnp_dtype(kv_dtype or model_config.dtype),
                              num_heads=model_config.num_heads,
                              num_kv_heads=model_config.num_kv_heads,
-                             head_dim=model_config.head_dim))
+                             head_dim=model_config.head_dim),
+                         step=step)
   if jax.process_count() > 1 and multihost.is_leader():
     executor = multihost.Leader(executor)  # every process steps; process 0 schedules
   scheduler = Scheduler(scheduler_config, num_pages=num_pages, page_size=page_size,
@@ -161,17 +164,20 @@ def llama_replicas(model_config: ml_collections.ConfigDict, params: Any,
                    num_pages: int, page_size: int, kv_dtype: str | None = None,
                    memory_hint: str = "lower --num_pages or --page_size") -> Replicas:
   """`replicas` engines over one copy of the weights on the default device, each with a
-  pool of `num_pages` pages and its own scheduler (`kvpage.host.replicas`)."""
+  pool of `num_pages` pages and its own scheduler (`kvpage.host.replicas`), sharing one
+  jitted step: the pools have one shape, so each program compiles once for all."""
   if not isinstance(replicas, int) or replicas < 1:
     raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
   check_memory(model_config, num_pages=replicas * num_pages, page_size=page_size,
                kv_dtype=kv_dtype, weights_loaded=True, hint=memory_hint)
   params = jax.device_put(params)  # once: every engine's executor then holds these arrays
-  return Replicas([llama_engine(model_config, params,
-                                scheduler_config.copy_and_resolve_references(),
-                                num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype,
-                                memory_hint=memory_hint)
-                   for _ in range(replicas)])
+  engines: list[Engine] = []
+  for _ in range(replicas):
+    engines.append(llama_engine(
+        model_config, params, scheduler_config.copy_and_resolve_references(),
+        num_pages=num_pages, page_size=page_size, kv_dtype=kv_dtype, memory_hint=memory_hint,
+        step=engines[0].executor.step if engines else None))
+  return Replicas(engines)
 
 
 def mesh(model_config: ml_collections.ConfigDict,

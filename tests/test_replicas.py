@@ -40,9 +40,11 @@ def test_two_replicas_generate_the_tokens_one_engine_does():
     assert engine.executor.num_launches > 0
     pool = engine.scheduler.page_pool
     assert pool.num_free_pages == pool.num_usable_pages
-  # One copy of the weights: the engines' executors hold the same device arrays.
+  # One copy of the weights (the engines' executors hold the same device arrays) and
+  # one jitted step, so each program compiled once for both.
   first, second = (jax.tree.leaves(e.executor.params) for e in replicas.engines)
   assert all(a is b for a, b in zip(first, second, strict=True))
+  assert replicas.engines[0].executor.step is replicas.engines[1].executor.step
 
 
 def test_prompts_go_to_the_replica_with_the_fewest_pages_promised():

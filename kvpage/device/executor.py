@@ -57,7 +57,8 @@ class JaxExecutor(Executor):
                num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None,
                tensor_parallel: TensorParallel | None = None,
                param_axes: Callable[[tuple[str, ...]], Sequence[str | None]] | None = None,
-               guard: str = "disallow", decode_reads_longest: bool = False):
+               guard: str = "disallow", decode_reads_longest: bool = False,
+               step: Step | None = None):
     """`forward`: the model's step function (with `tensor_parallel`, the sharded
     model's); `cache`: laid out by `tensor_parallel.cache` when given; `param_axes`:
     the model's logical names of each parameter's dimensions, which place `params`
@@ -65,7 +66,10 @@ class JaxExecutor(Executor):
     guard's level on the serving path ("allow" only where a kernel interpreter does
     implicit transfers of its own, as Mosaic GPU's on CPU does); `decode_reads_longest`:
     the model's attention reads every decode row as far as the longest (the XLA path),
-    which `steps.jsonl` then records for a calibration."""
+    which `steps.jsonl` then records for a calibration; `step`: a jitted step to share
+    with other executors over the same model and pool shape (replicas,
+    `kvpage.host.replicas`), so each program compiles once for all of them and
+    `num_compiles` counts theirs together (default: a new one over `forward`)."""
     self.tensor_parallel = tensor_parallel
     self._decode_reads_longest = decode_reads_longest
     self.guard = guard
@@ -81,7 +85,7 @@ class JaxExecutor(Executor):
       self.params = jax.device_put(jax.device_get(params), shardings)
     self.cache = cache
     self.buckets = buckets or batch_lib.DEFAULT_BUCKETS
-    self.step = Step(forward, tensor_parallel=tensor_parallel)
+    self.step = step or Step(forward, tensor_parallel=tensor_parallel)
     self.host_pool = paged_cache.HostSwapPool(
         cache, num_host_pages, None if tensor_parallel is None else tensor_parallel.cache)
     self.num_launches = 0  # steps launched (a multi-step decode is one launch)
