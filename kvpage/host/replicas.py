@@ -86,11 +86,13 @@ class Replicas:
     def run(index: int) -> None:
       try:
         self.engines[index].run_until_done()
-      except BaseException as error:  # re-raised on the caller's thread below
+      except Exception as error:  # re-raised on the caller's thread below
         errors[index] = error
 
     busy = sorted(set(placement))
-    threads = [threading.Thread(target=run, args=(index,), name=f"kvpage-replica-{index}")
+    # Daemons: an interrupt of the caller (Ctrl-C) ends the process without waiting.
+    threads = [threading.Thread(target=run, args=(index,), name=f"kvpage-replica-{index}",
+                                daemon=True)
                for index in busy[1:]]
     for thread in threads:
       thread.start()
