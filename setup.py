@@ -31,8 +31,8 @@ setuptools.setup(
     # The JAX range CI proves (.ci/run): jax 0.10.2 on Python 3.11, 0.11.2 (the kernel
     # tests) and 0.12.0.1 on Python 3.12, each with flax 0.12.
     packages=setuptools.find_packages(include=["kvpage*", "models*", "configs*", "experiments*"]),
-    # The CPU decode kernel's source, compiled on first use (kvpage.device.attention.cpu).
-    package_data={"kvpage.device.attention.cpu": ["*.cc"]},
+    # The CPU kernels' sources, compiled on first use (kvpage.device.cpu).
+    package_data={"kvpage.device.cpu": ["*.cc", "*.h"]},
     install_requires=[
         "jax>=0.10.2,<0.13",
         "jaxlib>=0.10.2,<0.13",

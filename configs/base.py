@@ -35,6 +35,7 @@ def model_config(name: str, dtype: str) -> ml_collections.ConfigDict:
            original_max_seq_len=8192)
   )
   config.attention_impl = "xla"  # kvpage.device.attention.ATTENTION_IMPLS
+  config.linear_impl = "xla"  # models.llama.LINEAR_IMPLS
   return config
 
 
@@ -46,8 +47,9 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
     raise ValueError(f"unknown config variant {variant!r}; choose a dtype: {', '.join(DTYPES)}")
   config = ml_collections.ConfigDict()
   config.model = model_config(name, dtype)
-  if hardware == "cpu":  # decode rows on the C++ kernel, which reads pages in place
-    config.model.attention_impl = "cpu"
+  if hardware == "cpu":  # the C++ kernels: attention reading pages in place, and the
+    config.model.attention_impl = "cpu"  # products of few rows on all cores
+    config.model.linear_impl = "cpu"
   # A real run's KV pool: `num_pages` when set, else as many pages as `kv_memory_gib`
   # holds (4 GiB is vLLM's CPU default KV space), else (`kv_memory_gib=0`, as on a GPU)
   # the memory plan: `memory_utilization` of the device, less the weights and the

@@ -87,7 +87,8 @@ def main(argv: list[str]) -> None:
   configs_check.check(config)
   if _CHECKPOINT.value:
     model_config, params = hf.load(_CHECKPOINT.value)
-    model_config.attention_impl = config.model.attention_impl  # the config's choice
+    model_config.attention_impl = config.model.attention_impl  # the config's choices
+    model_config.linear_impl = config.model.get("linear_impl", "xla")
   else:
     model_config = config.model
   build.check_runnable(config, model_config)

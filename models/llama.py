@@ -11,7 +11,9 @@ and values into the cache through the slot mapping, then attends through the pag
 tables with `kvpage.device.attention.attention`, naming `config.attention_impl` (one of
 its `ATTENTION_IMPLS`) and whether the batch is decode-only; which implementation runs,
 and how it is called, is the attention package's business. Only the rows that sample
-(`logits_indices`) go through the LM head.
+(`logits_indices`) go through the LM head. `config.linear_impl` (one of `LINEAR_IMPLS`)
+says who computes the projections and the MLP: XLA, or on `cpu`, kvpage's kernel for
+products of few rows (`kvpage.device.cpu.linear`) where it runs, XLA elsewhere.
 """
 
 from typing import Any
@@ -25,6 +27,7 @@ from kvpage import batch as batch_lib
 from kvpage.device import attention as attention_lib
 from kvpage.device import cache as paged_cache
 from kvpage.device import sharding
+from kvpage.device.cpu import linear as cpu_linear
 from kvpage.device.sharding import TensorParallel
 from models import rope
 
@@ -43,9 +46,24 @@ class RMSNorm(nn.Module):
     return scale * normed.astype(self.dtype)
 
 
-def _dense(features: int, name: str, dtype: Any) -> nn.Dense:
+LINEAR_IMPLS = ("xla", "cpu")
+
+
+def _dense(features: int, name: str, config: ml_collections.ConfigDict,
+           tensor_parallel: TensorParallel | None) -> nn.Dense:
+  """A bias-free projection to `features`, its products by `config.linear_impl`.
+
+  Tensor-parallel steps keep their products on XLA: its partitioner splits them over
+  the devices, and cannot split a custom call (it would gather the weights whole).
+  """
+  impl = config.get("linear_impl", "xla")
+  if impl not in LINEAR_IMPLS:
+    raise ValueError(f"linear_impl {impl!r}: choose one of {', '.join(LINEAR_IMPLS)}")
+  on_kernel = impl == "cpu" and tensor_parallel is None
+  dtype = paged_cache.jnp_dtype(config.dtype)
   return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name,
-                  kernel_init=nn.initializers.normal(0.02))
+                  kernel_init=nn.initializers.normal(0.02),
+                  dot_general=cpu_linear.dot_general if on_kernel else jax.lax.dot_general)
 
 
 class Attention(nn.Module):
@@ -58,11 +76,11 @@ class Attention(nn.Module):
                batch: batch_lib.StepBatch) -> tuple[jax.Array, paged_cache.PagedKVCache]:
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     tp, num_tokens = self.tensor_parallel, x.shape[0]
-    q = _dense(c.num_heads * c.head_dim, "q_proj", dtype)(x).reshape(
+    q = _dense(c.num_heads * c.head_dim, "q_proj", c, tp)(x).reshape(
         num_tokens, c.num_heads, c.head_dim)
-    k = _dense(c.num_kv_heads * c.head_dim, "k_proj", dtype)(x).reshape(
+    k = _dense(c.num_kv_heads * c.head_dim, "k_proj", c, tp)(x).reshape(
         num_tokens, c.num_kv_heads, c.head_dim)
-    v = _dense(c.num_kv_heads * c.head_dim, "v_proj", dtype)(x).reshape(
+    v = _dense(c.num_kv_heads * c.head_dim, "v_proj", c, tp)(x).reshape(
         num_tokens, c.num_kv_heads, c.head_dim)
     inv_freq = rope.inverse_frequencies(c.head_dim, c.rope_theta, c.get("rope_scaling"))
     q = rope.apply(q, batch.positions, inv_freq)
@@ -80,7 +98,7 @@ class Attention(nn.Module):
         tensor_parallel=tp)
     out = out.astype(dtype).reshape(num_tokens, c.num_heads * c.head_dim)
     # Each device's heads project to a partial sum; replicated, they are all-reduced.
-    out = sharding.constrain(_dense(c.d_model, "o_proj", dtype)(out), tp, "replicated")
+    out = sharding.constrain(_dense(c.d_model, "o_proj", c, tp)(out), tp, "replicated")
     return out, cache
 
 
@@ -90,11 +108,11 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
-    gate = _dense(c.ffn_dim, "gate_proj", dtype)(x)
-    up = _dense(c.ffn_dim, "up_proj", dtype)(x)
-    out = _dense(c.d_model, "down_proj", dtype)(nn.silu(gate) * up)
-    return sharding.constrain(out, self.tensor_parallel, "replicated")  # all-reduced
+    c, tp = self.config, self.tensor_parallel
+    gate = _dense(c.ffn_dim, "gate_proj", c, tp)(x)
+    up = _dense(c.ffn_dim, "up_proj", c, tp)(x)
+    out = _dense(c.d_model, "down_proj", c, tp)(nn.silu(gate) * up)
+    return sharding.constrain(out, tp, "replicated")  # all-reduced
 
 
 class DecoderLayer(nn.Module):
@@ -130,7 +148,8 @@ class Llama(nn.Module):
     for layer in range(c.num_layers):
       x, cache = DecoderLayer(c, layer, tp, name=f"layers_{layer}")(x, cache, batch)
     x = RMSNorm(c.norm_eps, dtype, name="norm")(x[batch.logits_indices])
-    logits = embed.attend(x) if c.tie_embeddings else _dense(c.vocab_size, "lm_head", dtype)(x)
+    logits = (embed.attend(x) if c.tie_embeddings
+              else _dense(c.vocab_size, "lm_head", c, tp)(x))
     # Each device scores its slice of the vocabulary; the sampler gets whole logits on
     # every device: one gather of `[num_seqs, vocab]`, not of the LM head's weights.
     logits = sharding.constrain(logits.astype(jnp.float32), tp, "vocab")

@@ -1,4 +1,4 @@
-"""The CPU kernels (`kvpage.device.attention.cpu`) against the oracle and the XLA paths.
+"""The CPU attention kernels (`kvpage.device.attention.cpu`) against the oracle and XLA.
 
 The kernels read pages in place through the page table, so the cases scatter each
 sequence's history into permuted pages (`attention_cases.make_case`) and read a layer

@@ -8,9 +8,10 @@ new tokens over a paged KV cache (the contract is written out in `reference.py`)
   * `xla.py`: the paths serving runs on XLA, `paged_decode_attention` for decode-only
     steps and `ragged_blocked_attention` (by query blocks) for any step; both read one
     layer straight out of the whole cache.
-  * `cpu/`: a C++ decode kernel (XLA FFI) that reads pages in place; the `cpu`
-    implementation is the XLA paths with their decode rows on it where it runs (the
-    CPU backend, fp32, the kernel built), and the plain XLA paths elsewhere.
+  * `cpu.py`: C++ kernels (XLA FFI, built from `kvpage/device/cpu/`) that read pages
+    in place; the `cpu` implementation is the XLA paths with their decode rows and
+    prompt chunks on them where they run (the CPU backend, fp32, the kernels built),
+    and the plain XLA paths elsewhere.
   * `pallas/`: the GPU kernels (Flash-Decoding, and query blocks for mixed steps),
     behind one entry, `pallas.ragged_paged_attention`; `mosaic` is the same entry with
     the Mosaic GPU decode kernel (`pallas/mosaic_decode.py`, jax >= 0.11.2) for

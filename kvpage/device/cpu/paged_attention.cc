@@ -23,49 +23,39 @@
 //   padding tokens', come out zero. Result: f32[T, H, D].
 //
 // Both take the attributes layer, sm_scale and soft_cap (0: none), and run their tasks
-// on XLA's intra-op thread pool.
+// on kvpage's worker threads (`common.h`).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <mutex>
-#include <utility>
 #include <vector>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using kvpage::F16;
+using kvpage::I16;
+using kvpage::kLanes;
+using kvpage::Lane;
+using kvpage::Load;
+using kvpage::Splat;
+using kvpage::Store;
+using kvpage::Workers;
+
 constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel handles
 constexpr int64_t kFloatsPerLine = 16;  // a 64-byte cache line
 // Below any score: the running max before the first page.
 constexpr float kNoScore = -1e30f;
 
-// Vectors of 16 floats (GCC/Clang vector extensions: one AVX-512 register, two AVX2
-// ones, four SSE ones, as the CPU has).
-typedef float F16 __attribute__((vector_size(64)));
-typedef float F16Unaligned __attribute__((vector_size(64), aligned(4)));
-typedef int32_t I16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-
 // The head sizes the kernels are instantiated for: 1, 2, 4, 8 or 16 vectors.
 inline bool SupportedHeadDim(int64_t head_dim) {
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 ||
          head_dim == 256;
-}
-
-inline F16 Load(const float* from) { return *reinterpret_cast<const F16Unaligned*>(from); }
-inline void Store(float* to, F16 value) { *reinterpret_cast<F16Unaligned*>(to) = value; }
-inline F16 Splat(float value) { return F16{} + value; }
-inline F16 Lane() {  // 0, 1, ..., 15
-  return F16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 }
 
 // exp(x) on 16 lanes, for the x <= 0 of an online softmax (a score minus the running
@@ -263,56 +253,8 @@ void AttendOne(const Problem& p, int64_t seq, int64_t kv_head) {
   }
 }
 
-// Runs `task(0) .. task(num_tasks - 1)` on the caller and XLA's intra-op pool. Helpers
-// take tasks from a shared counter while the caller works too; the caller then waits
-// only for helpers that have started: one that starts later finds the work closed and
-// returns at once. (Waiting for helpers that have not started could deadlock: under
-// several CPU devices one pool serves them all, and its threads may all be callers
-// waiting here.) The state outlives the call for them.
-class Work {
- public:
-  Work(int64_t num_tasks, std::function<void(int64_t)> task)
-      : num_tasks_(num_tasks), task_(std::move(task)) {}
-
-  static void Run(ffi::ThreadPool& pool, int64_t num_tasks,
-                  std::function<void(int64_t)> task) {
-    auto work = std::make_shared<Work>(num_tasks, std::move(task));
-    const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0),
-                                              num_tasks - 1);
-    for (int64_t i = 0; i < helpers; ++i) {
-      pool.Schedule([work] {
-        {
-          std::lock_guard<std::mutex> lock(work->mutex_);
-          if (work->closed_) return;
-          ++work->active_;
-        }
-        work->Drain();
-        std::lock_guard<std::mutex> lock(work->mutex_);
-        if (--work->active_ == 0) work->idle_.notify_all();
-      });
-    }
-    work->Drain();
-    std::unique_lock<std::mutex> lock(work->mutex_);
-    work->closed_ = true;
-    work->idle_.wait(lock, [&] { return work->active_ == 0; });
-  }
-
- private:
-  void Drain() {
-    for (int64_t task = next_++; task < num_tasks_; task = next_++) task_(task);
-  }
-
-  const int64_t num_tasks_;
-  const std::function<void(int64_t)> task_;
-  std::atomic<int64_t> next_{0};
-  std::mutex mutex_;
-  std::condition_variable idle_;
-  int64_t active_ = 0;   // helpers inside Drain
-  bool closed_ = false;  // the caller is done: helpers starting now do nothing
-};
-
-ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                       ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                       ffi::Buffer<ffi::F32> v_cache,
                        ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> limits,
                        ffi::ResultBuffer<ffi::F32> out, int64_t layer, float sm_scale,
                        float soft_cap) {
@@ -334,7 +276,7 @@ ffi::Error PagedDecode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes or layer, or a "
                                        "head_dim other than 16, 32, 64, 128 or 256");
   }
-  Work::Run(pool, num_seqs * p.num_kv_heads, [&p](int64_t task) {
+  Workers::Run(num_seqs * p.num_kv_heads, [&p](int64_t task) {
     const int64_t seq = task / p.num_kv_heads, kv_head = task % p.num_kv_heads;
     switch (p.head_dim) {
       case 16: return AttendOne<1>(p, seq, kv_head);
@@ -500,8 +442,8 @@ void AttendBlock(const PrefillProblem& p, const Block& block, int64_t kv_head) {
   }
 }
 
-ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                        ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+ffi::Error PagedPrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                        ffi::Buffer<ffi::F32> v_cache,
                         ffi::Buffer<ffi::S32> page_tables,
                         ffi::Buffer<ffi::S32> query_start_loc,
                         ffi::Buffer<ffi::S32> context_lens, ffi::ResultBuffer<ffi::F32> out,
@@ -560,17 +502,16 @@ ffi::Error PagedPrefill(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
       default: return AttendBlock<16>(p, block, kv_head);
     }
   };
-  Work::Run(pool, static_cast<int64_t>(blocks.size()) * p.num_kv_heads, [&](int64_t task) {
+  Workers::Run(static_cast<int64_t>(blocks.size()) * p.num_kv_heads, [&](int64_t task) {
     attend(blocks[task / p.num_kv_heads], task % p.num_kv_heads);
   });
   return ffi::Error::Success();
 }
 
-// The bindings both handlers share: XLA's pool, then q, k_cache, v_cache and the page
-// tables (`Operands`); the result and the attributes (`Results`).
+// The bindings both handlers share: q, k_cache, v_cache and the page tables
+// (`Operands`); the result and the attributes (`Results`).
 auto Operands() {
   return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::F32>>()

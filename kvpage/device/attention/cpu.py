@@ -1,11 +1,10 @@
-"""The CPU kernels: paged attention in C++, called from XLA through its FFI.
+"""The paged-attention kernels for CPU (`kvpage/device/cpu/paged_attention.cc`).
 
 XLA:CPU cannot read a page table's pages in place: `xla.py` gathers them into a fresh
 buffer (a copy of every context, per layer, per step) and then reads the copy. On the
 2-core VM this project is developed on, that made decode attention 2-4x slower than
 PyTorch's SDPA over a contiguous cache, and prompt chunks ran at a quarter of XLA's
-matmul speed. `paged_attention.cc` reads the pages where they lie, on XLA's own
-intra-op thread pool, with two handlers:
+matmul speed. The C++ kernels read the pages where they lie, with two handlers:
 
   * `paged_decode`: one task per (sequence, KV head), an online softmax folded 16 keys
     at a time, the next page prefetched, for the decode rows (decode-only steps, and
@@ -15,103 +14,21 @@ intra-op thread pool, with two handlers:
     products, causal, for prompt chunks (fresh or over a cached prefix).
 
 The `cpu` attention implementation is the XLA paths with both kinds of row on them.
-
-The kernel is compiled on first use with the machine's C++ compiler (`$CXX`, else
-`g++`) against the installed jaxlib's FFI headers, for this CPU (`-march=native`),
-and cached in `$KVPAGE_CACHE_DIR` (default `~/.cache/kvpage`) under a key of the
-source, the flags, the jaxlib version and the CPU's model and flags, so a changed CPU
-or jaxlib gets a fresh build. Where no compiler is found or the build fails, `status()`
-says why and the `cpu` implementation keeps its decode rows on the XLA path, with one
-warning in the log; so it does off the CPU backend, and for shapes the kernel does
-not take (`runs`).
+Where the kernels are not built (`kvpage.device.cpu.status()` says why), off the CPU
+backend, and for shapes the kernels do not take (`runs`), the rows stay on the XLA
+paths.
 """
-
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import pathlib
-import platform
-import shlex
-import shutil
-import subprocess
-import tempfile
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 import numpy as np
 
-log = logging.getLogger(__name__)
+from kvpage.device.cpu import status
 
-SOURCE = pathlib.Path(__file__).with_name("paged_attention.cc")
-# The FFI targets' registered names, and the library symbols that implement them.
-TARGETS = {"kvpage_paged_decode": "KvpagePagedDecode",
-           "kvpage_paged_prefill": "KvpagePagedPrefill"}
-# Reassociation lets the dot products and sums vectorize. Not -ffast-math: a library
-# linked with it sets the CPU to flush subnormals to zero in every thread that loads it.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-         "-fno-signed-zeros", "-fPIC", "-shared", "-std=c++17", "-w")
 # Query heads per KV head the decode kernel takes (paged_attention.cc's kMaxGroup).
 MAX_GROUP = 16
 # Head sizes both kernels are instantiated for (head_dim / 16 vectors of 16 floats).
 HEAD_DIMS = (16, 32, 64, 128, 256)
-
-
-def _cpu_identity() -> str:
-  """The CPU's model and feature flags: a build for one CPU may not run on another."""
-  try:
-    lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-  except OSError:
-    return platform.processor() or platform.machine()
-  wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
-  return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
-
-
-def _cache_dir() -> pathlib.Path:
-  default = pathlib.Path.home() / ".cache" / "kvpage"
-  return pathlib.Path(os.environ.get("KVPAGE_CACHE_DIR") or default)
-
-
-def _build() -> pathlib.Path:
-  """The compiled library's path: cached, else compiled now. Raises `RuntimeError`."""
-  compiler = os.environ.get("CXX", "g++")
-  if shutil.which(compiler) is None:
-    raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set $CXX)")
-  include = jax.ffi.include_dir()
-  key = hashlib.sha256("\0".join([
-      SOURCE.read_text(), compiler, *FLAGS, include, jaxlib.__version__, _cpu_identity(),
-      platform.machine()]).encode()).hexdigest()[:16]
-  library = _cache_dir() / f"paged_attention-{key}.so"
-  if library.exists():
-    return library
-  library.parent.mkdir(parents=True, exist_ok=True)
-  # Built beside its final name, then renamed: concurrent builders (test workers) never
-  # load a half-written file.
-  with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-    partial = pathlib.Path(scratch) / library.name
-    command = [compiler, *FLAGS, f"-I{include}", str(SOURCE), "-o", str(partial)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-      raise RuntimeError(f"`{shlex.join(command)}` failed:\n{result.stderr[-2000:]}")
-    os.replace(partial, library)
-  return library
-
-
-@functools.cache
-def status() -> str:
-  """"ready" once the kernel is built and registered with XLA, else why it is not."""
-  try:
-    library = ctypes.cdll.LoadLibrary(str(_build()))
-    for target, symbol in TARGETS.items():
-      jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
-                                  platform="cpu")
-  except (RuntimeError, OSError, AttributeError) as error:
-    log.warning("kvpage's CPU attention kernels are unavailable (%s); "
-                "attention_impl='cpu' uses the XLA paths", error)
-    return f"unavailable: {error}"
-  return "ready"
 
 
 def runs(dtype: jnp.dtype, group: int, head_dim: int) -> bool:
