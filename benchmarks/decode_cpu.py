@@ -107,11 +107,13 @@ def save_random_checkpoint(model_config, directory: pathlib.Path) -> None:
 
 def load_kvpage(config, directory: pathlib.Path):
   """The checkpoint's model section and params into `config` (returns the params),
-  keeping the config's name and attention implementation, which the checkpoint's
-  `config.json` does not carry."""
-  name, impl = config.model.name, config.model.attention_impl
+  keeping the config's name and its attention and linear implementations, which the
+  checkpoint's `config.json` does not carry."""
+  name, attention_impl = config.model.name, config.model.attention_impl
+  linear_impl = config.model.get("linear_impl", "xla")
   config.model, params = hf.load(directory)
-  config.model.name, config.model.attention_impl = name, impl
+  config.model.name, config.model.attention_impl = name, attention_impl
+  config.model.linear_impl = linear_impl
   return params
 
 
@@ -372,8 +374,8 @@ def main(argv: list[str]) -> None:
   print(f"kvpage vs HF generate: {m.name} ({m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, vocab {m.vocab_size}), fp32 "
         f"weights, {config.cache.kv_dtype} KV cache, kvpage attention {m.attention_impl} "
-        f"(CPU kernels: {cpu_kernel.status()}), greedy, all prompts at once, page "
-        f"size {config.cache.page_size}, CPU, torch "
+        f"and linear {m.linear_impl} (CPU kernels: {cpu_kernel.status()}), greedy, all "
+        f"prompts at once, page size {config.cache.page_size}, CPU, torch "
         f"{torch.get_num_threads()} threads, HF attention "
         f"{hf_model.config._attn_implementation}; best of {_REPEATS.value} rounds "
         "(tokens/s); ratios: kvpage / HF best")
@@ -395,7 +397,7 @@ def main(argv: list[str]) -> None:
       f"{_REPLICAS.value if _REPLICAS.value >= 2 else 'none'} (each pool sized for its "
       "share, prompts spread by KV pages promised)",
       scheduler=config.scheduler.to_dict(), attention_impl=m.attention_impl,
-      cpu_kernels=cpu_kernel.status(),
+      linear_impl=m.linear_impl, cpu_kernels=cpu_kernel.status(),
       hf_attention=hf_model.config._attn_implementation, repeats=_REPEATS.value,
       torch_threads=torch.get_num_threads(), **premises.environment()), rows=rows)
   with open(_OUT.value, "w") as f:

@@ -120,7 +120,8 @@ def main(argv: list[str]) -> None:
   m = config.model
   print(f"kvpage and HF generate, each with and without attention: {m.name} "
         f"({m.num_layers} layers, d_model {m.d_model}, {m.num_heads}/{m.num_kv_heads} heads "
-        f"x {m.head_dim}), fp32, kvpage attention {m.attention_impl} (CPU kernels: "
+        f"x {m.head_dim}), fp32, kvpage attention {m.attention_impl} and linear "
+        f"{m.linear_impl} (CPU kernels: "
         f"{cpu_kernel.status()}), greedy, all prompts at once, page size "
         f"{config.cache.page_size}, CPU, torch {torch.get_num_threads()} threads; best of "
         f"{decode_cpu._REPEATS.value} rounds; target = HF's wall / {_TARGET.value}")
@@ -138,7 +139,8 @@ def main(argv: list[str]) -> None:
       target=_TARGET.value, sampling="greedy, ignore_eos",
       batch_policy="all prompts submitted at once; kvpage: the default scheduler",
       identity="each layer's attention output replaced by its query, on both sides",
-      attention_impl=m.attention_impl, cpu_kernels=cpu_kernel.status(),
+      attention_impl=m.attention_impl, linear_impl=m.linear_impl,
+      cpu_kernels=cpu_kernel.status(),
       scheduler=config.scheduler.to_dict(), repeats=decode_cpu._REPEATS.value,
       torch_threads=torch.get_num_threads(), **premises.environment()), rows=rows)
   with open(decode_cpu._OUT.value, "w") as f:

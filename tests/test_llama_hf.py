@@ -62,9 +62,11 @@ def test_prefill_logits_match_transformers(checkpoint):
 
 
 @pytest.mark.parametrize("chunk_size", [0, 8])
-def test_greedy_generation_matches_transformers(checkpoint, chunk_size):
+@pytest.mark.parametrize("impl", ["xla", "cpu"])  # GPU configs' paths; CPU configs' kernels
+def test_greedy_generation_matches_transformers(checkpoint, chunk_size, impl):
   directory, model = checkpoint
   config, params = hf.load(directory)
+  config.attention_impl = config.linear_impl = impl
   engine = build.llama_engine(config, params, scheduler_config(chunk_size), num_pages=64,
                               page_size=16)
   requests = engine.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))

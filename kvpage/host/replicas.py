@@ -7,13 +7,13 @@ already promised: the pages its prompt and its `max_tokens` can fill, the unit t
 are sized in. A request never moves: its pages live in its engine's pool, and each
 engine schedules, preempts and admits within its own memory line.
 
-Why on a CPU: a step's matrix products over a few dozen rows are too small for XLA:CPU
-to split across cores (on the 2-core reference machine a decode step's dense layers at
-batch 64 take as long on two cores as on one), so one engine leaves cores idle for much
-of every decode step. Two engines each stepping half the batch keep both busy:
-`benchmarks/dense_cpu.py` measures the dense layers alone, `benchmarks/decode_cpu.py`
-the whole generation. Threads suffice because XLA releases the GIL while it computes;
-the engines' host work still takes turns on it.
+Why on a CPU: one engine's step leaves cores idle for part of every decode step:
+XLA:CPU runs a step's elementwise operations (and, without the CPU linear kernel, its
+products of a few dozen rows) on one core, and the host's work and the attention's
+memory reads each leave the arithmetic waiting. Two engines each stepping half the
+batch overlap all of it: `benchmarks/dense_cpu.py` measures the dense layers alone,
+`benchmarks/decode_cpu.py` the whole generation. Threads suffice because XLA releases
+the GIL while it computes; the engines' host work still takes turns on it.
 
 The price is memory's granularity: each engine's pool is its own, so a request can use
 only its engine's pages, and one long request cannot borrow another engine's free ones.

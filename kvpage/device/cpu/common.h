@@ -13,7 +13,9 @@
 // One job at a time: a kernel called while another holds the helpers (several CPU
 // devices, or several engines, stepping at once from their own threads) runs its
 // tasks on its caller alone, which is what a core per caller wants anyway, and never
-// waits on another caller.
+// waits on another caller. Such a collision also keeps every caller off the helpers
+// for the next `kContendedMicros`: while callers take turns on the cores, a helper
+// spinning beside them would only take a core from one of them.
 
 #ifndef KVPAGE_DEVICE_CPU_COMMON_H_
 #define KVPAGE_DEVICE_CPU_COMMON_H_
@@ -59,7 +61,12 @@ class Workers {
   // once; returns when all are done.
   static void Run(int64_t num_tasks, const std::function<void(int64_t)>& task) {
     Workers& workers = Get();
-    if (num_tasks <= 1 || workers.num_helpers_ == 0 || !workers.job_.try_lock()) {
+    if (num_tasks <= 1 || workers.num_helpers_ == 0 || workers.Contended()) {
+      for (int64_t i = 0; i < num_tasks; ++i) task(i);
+      return;
+    }
+    if (!workers.job_.try_lock()) {
+      workers.contended_until_.store(Now() + kContendedMicros);
       for (int64_t i = 0; i < num_tasks; ++i) task(i);
       return;
     }
@@ -70,6 +77,15 @@ class Workers {
  private:
   static constexpr int kMaxThreads = 16;    // helpers + the caller
   static constexpr int64_t kSpinMicros = 100;
+  static constexpr int64_t kContendedMicros = 10000;
+
+  static int64_t Now() {  // microseconds
+    return std::chrono::duration_cast<std::chrono::microseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+
+  bool Contended() const { return Now() < contended_until_.load(std::memory_order_relaxed); }
 
   static Workers& Get() {
     static Workers* workers = new Workers();  // never destroyed: helpers outlive exit
@@ -142,6 +158,7 @@ class Workers {
   std::atomic<int> active_{0};  // helpers inside a job
   std::atomic<uint64_t> generation_{0};  // one more per job
   std::atomic<int> sleepers_{0};
+  std::atomic<int64_t> contended_until_{0};  // microseconds (`Now`)
   std::mutex mutex_;  // for sleeping only
   std::condition_variable wake_;
 };
