@@ -23,11 +23,7 @@ import pytest
 import tiny_config
 from attention_cases import make_case
 
-from configs import scheduler as scheduler_lib
-from experiments import build
 from kvpage.device.attention import cpu, reference, xla
-from kvpage.host.request import SamplingParams
-from models import llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler here")
@@ -139,15 +135,9 @@ def test_the_engine_generates_the_same_tokens_with_either_path():
   prompts = [list(range(1, 30)), [7, 3], [42] * 9]
 
   def tokens(impl):
-    model = tiny_config.get_config().model
-    model.attention_impl = impl
-    scheduler_config = scheduler_lib.get_scheduler_config()
-    scheduler_config.chunk_size = 8  # mixed steps: a chunk beside decodes
-    engine = build.llama_engine(model, llama.random_init(model, seed=3), scheduler_config,
-                                num_pages=32, page_size=4)
+    engine = tiny_config.mixed_step_engine(attention_impl=impl)
     assert engine.executor.decode_reads_longest == (impl == "xla")
-    done = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
-    return [request.output_ids for request in done]
+    return tiny_config.greedy_tokens(engine, prompts, 6)
 
   assert tokens("cpu") == tokens("xla")
 

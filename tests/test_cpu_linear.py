@@ -17,13 +17,10 @@ import numpy as np
 import pytest
 import tiny_config
 
-from configs import scheduler as scheduler_lib
-from experiments import build
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
 from kvpage.device import cpu
 from kvpage.device.cpu import linear
-from kvpage.host.request import SamplingParams
 from models import llama
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler here")
@@ -93,18 +90,9 @@ def test_dot_general_leaves_other_contractions_to_xla():
 
 def test_a_model_on_the_kernel_generates_the_tokens_of_xla():
   prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5], list(range(1, 30))]
-
-  def tokens(impl):
-    model = tiny_config.get_config().model
-    model.linear_impl = impl
-    scheduler_config = scheduler_lib.get_scheduler_config()
-    scheduler_config.chunk_size = 8  # mixed steps: a chunk beside decodes
-    engine = build.llama_engine(model, llama.random_init(model, seed=3), scheduler_config,
-                                num_pages=32, page_size=4)
-    done = engine.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
-    return [request.output_ids for request in done]
-
-  assert tokens("cpu") == tokens("xla")
+  on_kernel, on_xla = (tiny_config.greedy_tokens(tiny_config.mixed_step_engine(
+      linear_impl=impl), prompts, 8) for impl in ("cpu", "xla"))
+  assert on_kernel == on_xla
 
 
 def test_the_decode_step_runs_its_products_on_the_kernel():

@@ -8,7 +8,12 @@ HF parity checks (their own checkpoints), keep their models.
 
 import ml_collections
 
+from configs import scheduler as scheduler_lib
 from configs import tiny
+from experiments import build
+from kvpage.host.engine import Engine
+from kvpage.host.request import SamplingParams
+from models import llama
 
 NUM_LAYERS = 2
 
@@ -17,3 +22,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = tiny.get_config(arg)
   config.model.num_layers = NUM_LAYERS
   return config
+
+
+
+def mixed_step_engine(**model_fields) -> Engine:
+  """A real engine over this config's model (seed 3) with `model_fields` set on it (e.g.
+  an implementation), in mixed steps: chunks of 8 prompt tokens beside decodes, pages
+  of 4."""
+  model = get_config().model
+  model.update(model_fields)
+  scheduler_config = scheduler_lib.get_scheduler_config()
+  scheduler_config.chunk_size = 8
+  return build.llama_engine(model, llama.random_init(model, seed=3), scheduler_config,
+                            num_pages=32, page_size=4)
+
+
+def greedy_tokens(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+  """Each prompt's `max_tokens` greedy tokens from `engine`, all prompts at once."""
+  done = engine.generate(prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+  return [request.output_ids for request in done]
