@@ -49,10 +49,10 @@ from ml_collections import config_flags
 from experiments import build, cli
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
-from kvpage.device.attention import cpu as cpu_kernel
+from kvpage.device import cpu as cpu_kernel
 from kvpage.host.request import SamplingParams
 from kvpage.sim import premises
-from models import hf
+from models import hf, llama
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model dimensions.")
 _BATCH = flags.DEFINE_list("batch", ["64", "32", "32"], "Sequences per cell.")
@@ -105,15 +105,22 @@ def save_random_checkpoint(model_config, directory: pathlib.Path) -> None:
   transformers.LlamaForCausalLM(hf_config).save_pretrained(directory)
 
 
+def run_choices(model_config) -> str:
+  """How kvpage's model runs (`models.llama.RUN_CHOICES`), for a run's header."""
+  m = model_config
+  return (f"kvpage attention {m.attention_impl}, linear {m.linear_impl} at matmul precision "
+          f"{m.get('matmul_precision', 'default')} (CPU kernels: {cpu_kernel.status()}; "
+          f"AMX: {'yes' if cpu_kernel.amx() else 'no'})")
+
+
 def load_kvpage(config, directory: pathlib.Path):
   """The checkpoint's model section and params into `config` (returns the params),
   keeping the config's name and its attention and linear implementations, which the
   checkpoint's `config.json` does not carry."""
-  name, attention_impl = config.model.name, config.model.attention_impl
-  linear_impl = config.model.get("linear_impl", "xla")
+  name, chosen = config.model.name, config.model
   config.model, params = hf.load(directory)
-  config.model.name, config.model.attention_impl = name, attention_impl
-  config.model.linear_impl = linear_impl
+  config.model.name = name
+  llama.keep_run_choices(config.model, chosen)
   return params
 
 
@@ -373,8 +380,7 @@ def main(argv: list[str]) -> None:
   m = config.model
   print(f"kvpage vs HF generate: {m.name} ({m.num_layers} layers, d_model {m.d_model}, "
         f"{m.num_heads}/{m.num_kv_heads} heads x {m.head_dim}, vocab {m.vocab_size}), fp32 "
-        f"weights, {config.cache.kv_dtype} KV cache, kvpage attention {m.attention_impl} "
-        f"and linear {m.linear_impl} (CPU kernels: {cpu_kernel.status()}), greedy, all "
+        f"weights, {config.cache.kv_dtype} KV cache, {run_choices(m)}, greedy, all "
         f"prompts at once, page size {config.cache.page_size}, CPU, torch "
         f"{torch.get_num_threads()} threads, HF attention "
         f"{hf_model.config._attn_implementation}; best of {_REPEATS.value} rounds "
@@ -397,7 +403,8 @@ def main(argv: list[str]) -> None:
       f"{_REPLICAS.value if _REPLICAS.value >= 2 else 'none'} (each pool sized for its "
       "share, prompts spread by KV pages promised)",
       scheduler=config.scheduler.to_dict(), attention_impl=m.attention_impl,
-      linear_impl=m.linear_impl, cpu_kernels=cpu_kernel.status(),
+      linear_impl=m.linear_impl, matmul_precision=m.get("matmul_precision", "default"),
+      cpu_kernels=cpu_kernel.status(), amx=cpu_kernel.amx(),
       hf_attention=hf_model.config._attn_implementation, repeats=_REPEATS.value,
       torch_threads=torch.get_num_threads(), **premises.environment()), rows=rows)
   with open(_OUT.value, "w") as f:

@@ -33,7 +33,7 @@ from absl import flags
 
 from benchmarks import decode_cpu, identity_attention
 from experiments import build, cli
-from kvpage.device.attention import cpu as cpu_kernel
+from kvpage.device import cpu as cpu_kernel
 from kvpage.sim import premises
 
 flags.FLAGS.set_default("out", "decode_floor.json")  # decode_cpu defines the shared flags
@@ -120,9 +120,8 @@ def main(argv: list[str]) -> None:
   m = config.model
   print(f"kvpage and HF generate, each with and without attention: {m.name} "
         f"({m.num_layers} layers, d_model {m.d_model}, {m.num_heads}/{m.num_kv_heads} heads "
-        f"x {m.head_dim}), fp32, kvpage attention {m.attention_impl} and linear "
-        f"{m.linear_impl} (CPU kernels: "
-        f"{cpu_kernel.status()}), greedy, all prompts at once, page size "
+        f"x {m.head_dim}), fp32, {decode_cpu.run_choices(m)}, greedy, all prompts at "
+        f"once, page size "
         f"{config.cache.page_size}, CPU, torch {torch.get_num_threads()} threads; best of "
         f"{decode_cpu._REPEATS.value} rounds; target = HF's wall / {_TARGET.value}")
   print(HEADER)
@@ -140,7 +139,8 @@ def main(argv: list[str]) -> None:
       batch_policy="all prompts submitted at once; kvpage: the default scheduler",
       identity="each layer's attention output replaced by its query, on both sides",
       attention_impl=m.attention_impl, linear_impl=m.linear_impl,
-      cpu_kernels=cpu_kernel.status(),
+      matmul_precision=m.get("matmul_precision", "default"),
+      cpu_kernels=cpu_kernel.status(), amx=cpu_kernel.amx(),
       scheduler=config.scheduler.to_dict(), repeats=decode_cpu._REPEATS.value,
       torch_threads=torch.get_num_threads(), **premises.environment()), rows=rows)
   with open(decode_cpu._OUT.value, "w") as f:

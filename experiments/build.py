@@ -498,8 +498,7 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
     check_runnable(config, model_config)
     # How attention and the products run is the config's choice (its hardware's), not
     # the checkpoint's.
-    model_config.attention_impl = config.model.attention_impl
-    model_config.linear_impl = config.model.get("linear_impl", "xla")
+    llama.keep_run_choices(model_config, config.model)
     config.model = model_config
     config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
   num_pages, pool_reason, plan = real_pool_pages(config, config.model, num_pages=num_pages,

@@ -87,8 +87,7 @@ def main(argv: list[str]) -> None:
   configs_check.check(config)
   if _CHECKPOINT.value:
     model_config, params = hf.load(_CHECKPOINT.value)
-    model_config.attention_impl = config.model.attention_impl  # the config's choices
-    model_config.linear_impl = config.model.get("linear_impl", "xla")
+    llama.keep_run_choices(model_config, config.model)  # the config's choices
   else:
     model_config = config.model
   build.check_runnable(config, model_config)

@@ -47,6 +47,21 @@ class RMSNorm(nn.Module):
 
 
 LINEAR_IMPLS = ("xla", "cpu")
+# `config.matmul_precision`: JAX's names (`jax.lax.Precision`); "default" defers to
+# `jax_default_matmul_precision`. On CPU with `linear_impl='cpu'`, "high" puts products
+# of many rows on AMX in three bf16 passes (`kvpage.device.cpu.linear`).
+MATMUL_PRECISIONS = ("default", "high", "highest")
+# How a model runs: its hardware's choice (the config's), which a checkpoint does not
+# carry. Each with its value where a config leaves it out.
+RUN_CHOICES = {"attention_impl": "xla", "linear_impl": "xla", "matmul_precision": "default"}
+
+
+def keep_run_choices(model_config: ml_collections.ConfigDict,
+                     config: ml_collections.ConfigDict) -> None:
+  """Sets a checkpoint's model section (`model_config`) to run as the config's
+  `config` (a model section) says (`RUN_CHOICES`)."""
+  for key, default in RUN_CHOICES.items():
+    model_config[key] = config.get(key, default)
 
 
 def _dense(features: int, name: str, config: ml_collections.ConfigDict,
@@ -59,10 +74,15 @@ def _dense(features: int, name: str, config: ml_collections.ConfigDict,
   impl = config.get("linear_impl", "xla")
   if impl not in LINEAR_IMPLS:
     raise ValueError(f"linear_impl {impl!r}: choose one of {', '.join(LINEAR_IMPLS)}")
+  precision = config.get("matmul_precision", "default")
+  if precision not in MATMUL_PRECISIONS:
+    raise ValueError(f"matmul_precision {precision!r}: choose one of "
+                     f"{', '.join(MATMUL_PRECISIONS)}")
   on_kernel = impl == "cpu" and tensor_parallel is None
   dtype = paged_cache.jnp_dtype(config.dtype)
   return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name,
                   kernel_init=nn.initializers.normal(0.02),
+                  precision=None if precision == "default" else jax.lax.Precision(precision),
                   dot_general=cpu_linear.dot_general if on_kernel else jax.lax.dot_general)
 
 

@@ -1,11 +1,14 @@
-"""The CPU linear kernel (`kvpage.device.cpu.linear`): products, the choice, the model.
+"""The CPU linear kernels (`kvpage.device.cpu.linear`): products, the choice, the model.
 
-The kernel computes `x @ w` for products of few rows on kvpage's worker threads. The
-tests hold it to float64 products over ragged shapes (rows not a multiple of its 8-row
-blocks, inner sizes from 1), check that `dot_general` takes exactly the products it
-should and leaves the rest to XLA unchanged, that a model on it generates the tokens
-of the same model on XLA, and that callers on several threads at once (the helpers
-serve one job at a time; the others run on their own thread) all get their products.
+`linear.cc` computes `x @ w` in fp32 for products of few rows on kvpage's worker
+threads; `linear_amx.cc` computes products of more rows on AMX in three bf16 passes,
+at `Precision.HIGH`. The tests hold the first to float64 products over ragged shapes
+(rows not a multiple of its 8-row blocks, inner sizes from 1) and the second to its
+error bound (rows, inner sizes and columns not multiples of its tiles); check that
+`dot_general` takes exactly the products it should and leaves the rest to XLA
+unchanged; that a model on the kernels generates the tokens of the same model on XLA;
+and that callers on several threads at once (the helpers serve one job at a time; the
+others run on their own thread) all get their products.
 """
 
 import shutil
@@ -36,6 +39,11 @@ def test_the_kernels_build():
   assert cpu.status() == "ready"
 
 
+def _need_amx():
+  if not cpu.amx():
+    pytest.skip("no AMX on this CPU (or the OS does not grant it)")
+
+
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 64, 100, 128])
 @pytest.mark.parametrize("inner,columns", [(1, 32), (17, 96), (256, 512)])
 def test_products_match_float64(rows, inner, columns):
@@ -60,7 +68,7 @@ def test_runs_only_where_it_should():
   assert not linear.runs(64, 48, jnp.float32)  # not whole panels of 32 columns
   assert not linear.runs(64, 512, jnp.bfloat16)
   assert not linear.runs(0, 512, jnp.float32)
-  with pytest.raises(ValueError, match="does not run here"):
+  with pytest.raises(ValueError, match="do not run here"):
     linear.linear(jnp.ones((4, 8)), jnp.ones((8, 48)))
 
 
@@ -136,3 +144,83 @@ def test_callers_on_several_threads_all_get_their_products():
     thread.join(timeout=120)
   assert not any(thread.is_alive() for thread in threads)
   assert errors == []
+
+
+@pytest.mark.parametrize("rows", [129, 200, 517])
+@pytest.mark.parametrize("inner,columns", [(1, 32), (17, 96), (100, 64), (256, 512)])
+def test_bf16x3_products_are_within_their_error_bound(rows, inner, columns):
+  _need_amx()
+  x, w = _operands(rows, inner, columns, seed=rows + inner)
+  assert linear.target(rows, columns, jnp.float32, "high") == "kvpage_linear_bf16x3"
+  got = np.asarray(jax.jit(lambda a, b: linear.linear(a, b, "high"))(jnp.asarray(x),
+                                                                      jnp.asarray(w)))
+  want = x.astype(np.float64) @ w.astype(np.float64)
+  # Each operand is split into two bf16 parts, exact to 2^-17 of its magnitude, and the
+  # product of the low parts is dropped: every term is within ~3 * 2^-17 of exact,
+  # plus fp32 accumulation.
+  bound = np.abs(x).astype(np.float64) @ np.abs(w).astype(np.float64)
+  assert np.all(np.abs(got - want) <= (3e-5 + inner * 2e-7) * bound + 1e-30)
+  # and it is not a plain bf16 product, whose error is a thousand times larger
+  one_pass = (x.astype(jnp.bfloat16).astype(np.float64)
+              @ w.astype(jnp.bfloat16).astype(np.float64))
+  assert np.abs(got - want).max() < np.abs(one_pass - want).max() / 50
+
+
+def test_the_precision_chooses_the_kernel():
+  assert linear.target(64, 256, jnp.float32, "high") == "kvpage_linear"  # fp32, few rows
+  assert linear.target(129, 256, jnp.float32, None) is None
+  assert linear.target(129, 256, jnp.float32, jax.lax.Precision.HIGHEST) is None
+  assert linear.target(129, 256, jnp.float32, "default") is None
+  assert linear.target(129, 48, jnp.float32, "high") is None
+  high = "kvpage_linear_bf16x3" if cpu.amx() else None
+  assert linear.target(129, 256, jnp.float32, jax.lax.Precision.HIGH) == high
+  assert linear.target(129, 256, jnp.float32, "bfloat16_3x") == high
+  assert linear.target(129, 256, jnp.float32, ("high", "high")) == high
+  assert linear.target(129, 256, jnp.float32, ("high", "highest")) == high  # the lower
+  assert linear.target(129, 256, jnp.float32, ("default", "high")) is None
+  assert linear.target(129, 256, jnp.float32,
+                       jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3) == high
+  assert linear.target(129, 256, jnp.float32,
+                       jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X6) is None
+  for name in ("tensorfloat32", "BF16_BF16_F32_X3"):
+    with jax.default_matmul_precision(name):
+      assert linear.target(129, 256, jnp.float32, None) == high
+  with pytest.raises(ValueError, match="precision high"):
+    linear.linear(jnp.ones((200, 8)), jnp.ones((8, 48)), "high")
+
+
+def _prefill_step_text(model) -> str:
+  params = llama.random_init(model, seed=1)
+  batch = batch_lib.example_batch(num_tokens=256, num_seqs=2, max_pages_per_seq=32)
+  cache = paged_cache.init(model, num_pages=65, page_size=4)
+  return jax.jit(lambda p, c, b: llama.forward(p, c, b, config=model)).lower(
+      params, cache, batch).compile().as_text()
+
+
+@pytest.mark.parametrize("precision", ["high", "highest"])
+def test_a_prefill_step_at_high_precision_runs_its_products_on_amx(precision):
+  _need_amx()
+  model = tiny_config.get_config().model
+  model.linear_impl, model.matmul_precision = "cpu", precision
+  text = _prefill_step_text(model)
+  amx_calls = text.count('custom_call_target="kvpage_linear_bf16x3"')
+  # q, k, v, o, gate, up, down of 256 rows in every layer; the LM head's 2 rows in fp32.
+  assert amx_calls == (7 * model.num_layers if precision == "high" else 0)
+  assert text.count('custom_call_target="kvpage_linear"') == 1
+
+
+def test_unknown_matmul_precision_is_refused():
+  model = tiny_config.get_config().model
+  model.matmul_precision = "fast"
+  with pytest.raises(ValueError, match="matmul_precision 'fast'"):
+    llama.random_init(model, seed=0)
+
+
+def test_long_prompts_at_high_precision_keep_the_tokens_of_fp32():
+  _need_amx()
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(1, 500, size=n).tolist() for n in (300, 180, 7)]
+  tokens = {precision: tiny_config.greedy_tokens(tiny_config.mixed_step_engine(
+      chunk_size=512, num_pages=160, linear_impl="cpu", matmul_precision=precision), prompts, 12)
+      for precision in ("high", "highest")}
+  assert tokens["high"] == tokens["highest"]

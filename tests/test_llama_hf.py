@@ -26,6 +26,11 @@ SHAPES = {
 PROMPTS = [[5, 9, 13], list(range(1, 18)), [(7 * i) % 120 + 1 for i in range(33)],
            [3] * 40]
 
+# One prompt step of 210 rows: more than the fp32 kernel's 128, so at
+# `matmul_precision='high'` the products run on AMX where the CPU has it.
+LONG_PROMPTS = [[(11 * i) % 127 + 1 for i in range(150)],
+                [(5 * i + 3) % 127 + 1 for i in range(60)]]
+
 
 def scheduler_config(chunk_size: int):
   config = scheduler_lib.get_scheduler_config()
@@ -73,6 +78,18 @@ def test_greedy_generation_matches_transformers(checkpoint, chunk_size, impl):
   for prompt, request in zip(PROMPTS, requests):
     assert request.finish_reason == "length"
     assert request.output_ids == hf_greedy(model, prompt, 32), f"prompt of {len(prompt)}"
+
+
+def test_long_prompts_at_high_precision_match_transformers(checkpoint):
+  directory, model = checkpoint
+  config, params = hf.load(directory)
+  config.attention_impl = config.linear_impl = "cpu"
+  config.matmul_precision = "high"  # the CPU configs' choice
+  engine = build.llama_engine(config, params, scheduler_config(0), num_pages=64,
+                              page_size=16)
+  requests = engine.generate(LONG_PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+  for prompt, request in zip(LONG_PROMPTS, requests):
+    assert request.output_ids == hf_greedy(model, prompt, 16), f"prompt of {len(prompt)}"
   assert engine.scheduler.page_pool.num_free_pages == 63  # all pages back, null excluded
 
 

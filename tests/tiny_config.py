@@ -25,16 +25,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 
-def mixed_step_engine(**model_fields) -> Engine:
+def mixed_step_engine(chunk_size: int = 8, num_pages: int = 32, **model_fields) -> Engine:
   """A real engine over this config's model (seed 3) with `model_fields` set on it (e.g.
-  an implementation), in mixed steps: chunks of 8 prompt tokens beside decodes, pages
-  of 4."""
+  an implementation), in mixed steps: chunks of `chunk_size` prompt tokens beside
+  decodes, `num_pages` pages of 4."""
   model = get_config().model
   model.update(model_fields)
   scheduler_config = scheduler_lib.get_scheduler_config()
-  scheduler_config.chunk_size = 8
+  scheduler_config.chunk_size = chunk_size
   return build.llama_engine(model, llama.random_init(model, seed=3), scheduler_config,
-                            num_pages=32, page_size=4)
+                            num_pages=num_pages, page_size=4)
 
 
 def greedy_tokens(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -8,6 +8,8 @@ them back:
     chunks; wrapped by `kvpage.device.attention.cpu`.
   * `linear.cc`: the matrix products of a step over a few dozen rows on all cores
     (XLA:CPU runs them on one); wrapped by `kvpage.device.cpu.linear`.
+  * `linear_amx.cc`: products of many rows (prompt chunks) on Intel AMX in three bf16
+    passes, for `Precision.HIGH`; also wrapped by `kvpage.device.cpu.linear`.
 
 Both run their tasks on kvpage's own worker threads (`common.h`), which stay awake
 between the kernels of one step, so a decode step's many small kernels do not each
@@ -44,7 +46,8 @@ HEADERS = tuple(sorted(pathlib.Path(__file__).parent.glob("*.h")))
 # The FFI targets' registered names, and the library symbols that implement them.
 TARGETS = {"kvpage_paged_decode": "KvpagePagedDecode",
            "kvpage_paged_prefill": "KvpagePagedPrefill",
-           "kvpage_linear": "KvpageLinear"}
+           "kvpage_linear": "KvpageLinear",
+           "kvpage_linear_bf16x3": "KvpageLinearBf16x3"}
 # Reassociation lets the dot products and sums vectorize. Not -ffast-math: a library
 # linked with it sets the CPU to flush subnormals to zero in every thread that loads it.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
@@ -93,10 +96,15 @@ def _build() -> pathlib.Path:
 
 
 @functools.cache
+def _library() -> ctypes.CDLL:
+  return ctypes.cdll.LoadLibrary(str(_build()))
+
+
+@functools.cache
 def status() -> str:
   """"ready" once the kernels are built and registered with XLA, else why they are not."""
   try:
-    library = ctypes.cdll.LoadLibrary(str(_build()))
+    library = _library()
     for target, symbol in TARGETS.items():
       jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                   platform="cpu")
@@ -105,3 +113,10 @@ def status() -> str:
                 "linear_impl='cpu' use the XLA paths", error)
     return f"unavailable: {error}"
   return "ready"
+
+
+@functools.cache
+def amx() -> bool:
+  """Whether `linear_amx.cc` runs here: kernels ready, built for a CPU with AMX (bf16
+  tiles), and the OS grants this process the tile registers."""
+  return status() == "ready" and bool(_library().KvpageAmxAvailable())
