@@ -1,4 +1,4 @@
-r"""The dense layers of one step on this CPU: XLA, XLA as two halves, the CPU kernel, torch.
+r"""The dense layers of one step on this CPU: XLA, XLA as two halves, the CPU kernels, torch.
 
   python -m benchmarks.dense_cpu --out=dense_cpu.json                  # rows 32, 64, 2,048
   python -m benchmarks.dense_cpu --config=configs/small.py --rows=64,512
@@ -16,9 +16,12 @@ stand-in of the right shape that reads no cache. Contenders, round-robin, best o
   * `xla halves`: the same jitted chain on half the rows, called back to back from each of
     two Python threads at once: what two data-parallel replicas of the engine, each
     stepping half the batch, would run on this machine (ms per pair of calls);
-  * `cpu kernel`: the chain as a `linear_impl='cpu'` model runs it: every product of at
-    most `kvpage.device.cpu.linear.MAX_ROWS` rows on the C++ kernel, split over all
-    cores; larger ones on XLA;
+  * `cpu kernel`: the chain as a `linear_impl='cpu'` model runs it at the default
+    precision: every product of at most `kvpage.device.cpu.linear.MAX_ROWS` rows on the
+    C++ kernel, split over all cores (q, k and v in one call; gate and up in one call
+    with their SwiGLU); larger ones on XLA;
+  * `cpu high`: the same at `matmul_precision='high'` (the CPU configs' choice): larger
+    products on AMX in three bf16 passes where the CPU has it (else as `cpu kernel`);
   * `torch`: the same chain in torch (`--torch_threads` threads).
 Before timing, every contender's output is compared with `xla`'s (fp32, tolerance
 1e-4), so a wrong chain cannot time well. On the 2-core reference machine, at 64 rows
@@ -39,6 +42,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
+from kvpage.device import cpu
 from kvpage.device.cpu import linear as cpu_linear
 from kvpage.sim import premises
 
@@ -75,24 +79,34 @@ def flops(model, rows: int) -> int:
   return 2 * rows * (model.num_layers * per_layer + d * model.vocab_size)
 
 
-def kernel_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """`x @ w` as a `linear_impl='cpu'` model computes it (the kernel where it runs)."""
-  return cpu_linear.dot_general(x, w, (((1,), (0,)), ((), ())))
+def xla_project(h: jax.Array, weights: list) -> list:
+  return [jnp.matmul(h, w) for w in weights]
 
 
-def jax_chain(weights: dict, x: jax.Array, group: int, matmul=jnp.matmul) -> jax.Array:
-  """The dense layers of one step over rows `x`, products by `matmul`; the logits."""
+def xla_swiglu(h: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
+  return jax.nn.silu(h @ gate) * (h @ up)
+
+
+def jax_chain(weights: dict, x: jax.Array, group: int, project=xla_project,
+              swiglu=xla_swiglu) -> jax.Array:
+  """The dense layers of one step over rows `x`, products by `project` (an input by a
+  list of weights) and `swiglu`, as `kvpage.device.cpu.linear` names them; the logits."""
 
   def norm(h):
     return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + _EPS)
 
   for w in weights["layers"]:
-    h = norm(x)
-    q, k, v = matmul(h, w["q"]), matmul(h, w["k"]), matmul(h, w["v"])
-    x = x + matmul(q + jnp.tile(k + v, (1, group)), w["o"])  # attention's stand-in
-    h = norm(x)
-    x = x + matmul(jax.nn.silu(matmul(h, w["gate"])) * matmul(h, w["up"]), w["down"])
-  return matmul(norm(x), weights["head"])
+    q, k, v = project(norm(x), [w["q"], w["k"], w["v"]])
+    x = x + project(q + jnp.tile(k + v, (1, group)), [w["o"]])[0]  # attention's stand-in
+    x = x + project(swiglu(norm(x), w["gate"], w["up"]), [w["down"]])[0]
+  return project(norm(x), [weights["head"]])[0]
+
+
+def on_kernels(group: int, precision: str | None):
+  """The chain as a `linear_impl='cpu'` model at `precision` runs it, jitted."""
+  return jax.jit(lambda w, h: jax_chain(
+      w, h, group, lambda a, ws: cpu_linear.project(a, ws, precision),
+      lambda a, g, u: cpu_linear.swiglu(a, g, u, precision)))
 
 
 def torch_chain(weights: dict, x: torch.Tensor, group: int) -> torch.Tensor:
@@ -135,7 +149,7 @@ def time_rows(model, weights: dict, rows: int, rng: np.random.Generator) -> dict
   x = rng.standard_normal((rows, model.d_model)).astype(np.float32)
   device_weights = jax.device_put(weights)
   jitted = jax.jit(lambda w, h: jax_chain(w, h, group))
-  on_kernel = jax.jit(lambda w, h: jax_chain(w, h, group, kernel_matmul))
+  on_kernel, on_kernel_high = on_kernels(group, None), on_kernels(group, "high")
   whole, halves = jax.device_put(x), (jax.device_put(x[:rows // 2]),
                                       jax.device_put(x[rows // 2:]))
   torch_weights = dict(layers=[{k: torch.from_numpy(v) for k, v in layer.items()}
@@ -160,6 +174,8 @@ def time_rows(model, weights: dict, rows: int, rng: np.random.Generator) -> dict
       "xla halves": lambda n: in_two_threads(lambda h: jitted(device_weights, h), *halves,
                                              calls=n),
       "cpu kernel": repeated(lambda: jax.block_until_ready(on_kernel(device_weights, whole))),
+      "cpu high": repeated(
+          lambda: jax.block_until_ready(on_kernel_high(device_weights, whole))),
       "torch": repeated(torch_call),
   }
   reference = np.asarray(contenders["xla"](1))
@@ -198,7 +214,8 @@ def main(argv: list[str]) -> None:
         f"{m.vocab_size}), fp32, attention left out, CPU, torch {torch.get_num_threads()} "
         f"threads; best of {_REPEATS.value} rounds (ms per call)")
   print(f"{'rows':>6} {'GFLOP':>7} {'xla':>8} {'GF/s':>6} {'halves':>8} {'GF/s':>6} "
-        f"{'kernel':>8} {'GF/s':>6} {'torch':>8} {'GF/s':>6} {'whole/halves':>12}")
+        f"{'kernel':>8} {'GF/s':>6} {'high':>8} {'GF/s':>6} {'torch':>8} {'GF/s':>6} "
+        f"{'whole/halves':>12}")
   results = []
   for rows in map(int, _ROWS.value):
     result = time_rows(m, weights, rows, rng)
@@ -206,7 +223,7 @@ def main(argv: list[str]) -> None:
     c = result["contenders"]
     print(f"{rows:>6} {result['gflop']:>7.3f} "
           + " ".join(f"{c[n]['best_ms']:>8.3f} {c[n]['gflop_per_s']:>6.0f}"
-                     for n in ("xla", "xla halves", "cpu kernel", "torch"))
+                     for n in ("xla", "xla halves", "cpu kernel", "cpu high", "torch"))
           + f" {c['xla']['best_ms'] / c['xla halves']['best_ms']:>12.2f}", flush=True)
   record = dict(benchmark="dense_cpu", premises=dict(
       model=m.name, dims={k: m[k] for k in (
@@ -214,7 +231,7 @@ def main(argv: list[str]) -> None:
           "vocab_size")}, dtype="fp32", rows=[int(r) for r in _ROWS.value],
       chain="per layer: RMSNorm, q/k/v, o over q + repeated (k + v) (attention's stand-in), "
       "RMSNorm, SwiGLU MLP, residuals; final RMSNorm and the LM head over every row",
-      cpu_kernel_max_rows=cpu_linear.MAX_ROWS,
+      cpu_kernel_max_rows=cpu_linear.MAX_ROWS, amx=cpu.amx(),
       repeats=_REPEATS.value, torch_threads=torch.get_num_threads(),
       **premises.environment()), results=results)
   with open(_OUT.value, "w") as f:

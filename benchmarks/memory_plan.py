@@ -26,6 +26,7 @@ from configs import hardware as hardware_lib
 from configs import llama2_70b, llama3_8b, llama3_70b, llama_13b, mistral_7b, small, tiny, yi_34b
 from experiments import build
 from kvpage.sim import capacity, memory_plan, premises
+from models import llama
 
 _OUT = flags.DEFINE_string("out", "memory_plan.json", "Where to write the JSON record.")
 
@@ -51,7 +52,8 @@ def measured_case(model: dict | None, limits: dict) -> dict:
   plan = build.real_memory_plan(config, config.model)
   shape = capacity.ModelShape.from_config(config.model)
   estimate = max(memory_plan.step_activation_bytes(
-      shape, num_tokens=tokens, num_seqs=seqs, dtype=config.model.dtype)
+      shape, num_tokens=tokens, num_seqs=seqs, dtype=config.model.dtype,
+      swiglu_in_one_call=llama.swiglu_in_one_call(config.model))
       for tokens, seqs, _ in build.largest_steps(config))
   return dict(model=config.model.name, dtype=config.model.dtype,
               steps=build.largest_steps(config), measured_bytes=plan.activation_bytes,

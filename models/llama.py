@@ -64,26 +64,60 @@ def keep_run_choices(model_config: ml_collections.ConfigDict,
     model_config[key] = config.get(key, default)
 
 
-def _dense(features: int, name: str, config: ml_collections.ConfigDict,
-           tensor_parallel: TensorParallel | None) -> nn.Dense:
-  """A bias-free projection to `features`, its products by `config.linear_impl`.
+class Weight(nn.Module):
+  """The `[in_features, features]` kernel of a bias-free projection: `nn.Dense`'s
+  parameter, by its name and init, for the products below to compute."""
+
+  features: int
+  dtype: Any
+
+  @nn.compact
+  def __call__(self, in_features: int) -> jax.Array:
+    return self.param("kernel", nn.initializers.normal(0.02), (in_features, self.features),
+                      self.dtype)
+
+
+class Products:
+  """A layer's matrix products, as `config.linear_impl` and `config.matmul_precision`
+  say: with `cpu`, on kvpage's CPU kernels where they run (the projections of one input
+  in one call, SwiGLU's two with their activation), XLA elsewhere.
 
   Tensor-parallel steps keep their products on XLA: its partitioner splits them over
   the devices, and cannot split a custom call (it would gather the weights whole).
   """
-  impl = config.get("linear_impl", "xla")
-  if impl not in LINEAR_IMPLS:
-    raise ValueError(f"linear_impl {impl!r}: choose one of {', '.join(LINEAR_IMPLS)}")
-  precision = config.get("matmul_precision", "default")
-  if precision not in MATMUL_PRECISIONS:
-    raise ValueError(f"matmul_precision {precision!r}: choose one of "
-                     f"{', '.join(MATMUL_PRECISIONS)}")
-  on_kernel = impl == "cpu" and tensor_parallel is None
-  dtype = paged_cache.jnp_dtype(config.dtype)
-  return nn.Dense(features, use_bias=False, dtype=dtype, param_dtype=dtype, name=name,
-                  kernel_init=nn.initializers.normal(0.02),
-                  precision=None if precision == "default" else jax.lax.Precision(precision),
-                  dot_general=cpu_linear.dot_general if on_kernel else jax.lax.dot_general)
+
+  def __init__(self, config: ml_collections.ConfigDict,
+               tensor_parallel: TensorParallel | None):
+    impl = config.get("linear_impl", "xla")
+    if impl not in LINEAR_IMPLS:
+      raise ValueError(f"linear_impl {impl!r}: choose one of {', '.join(LINEAR_IMPLS)}")
+    precision = config.get("matmul_precision", "default")
+    if precision not in MATMUL_PRECISIONS:
+      raise ValueError(f"matmul_precision {precision!r}: choose one of "
+                       f"{', '.join(MATMUL_PRECISIONS)}")
+    self.on_kernels = impl == "cpu" and tensor_parallel is None
+    self.precision = None if precision == "default" else jax.lax.Precision(precision)
+
+  def project(self, x: jax.Array, weights: list[jax.Array]) -> list[jax.Array]:
+    """`[x @ w for w in weights]`."""
+    if self.on_kernels:
+      return cpu_linear.project(x, weights, self.precision)
+    return [jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+                                precision=self.precision) for w in weights]
+
+  def swiglu(self, x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """`silu(x @ gate) * (x @ up)`."""
+    if self.on_kernels:
+      return cpu_linear.swiglu(x, gate, up, self.precision)
+    gate_out, up_out = self.project(x, [gate, up])
+    return nn.silu(gate_out) * up_out
+
+
+def swiglu_in_one_call(config: ml_collections.ConfigDict,
+                       tensor_parallel: TensorParallel | None = None) -> bool:
+  """Whether the MLP's gate and up products never exist apart (CPU kernels), for
+  `kvpage.sim.memory_plan.step_activation_bytes`."""
+  return Products(config, tensor_parallel).on_kernels and jax.default_backend() == "cpu"
 
 
 class Attention(nn.Module):
@@ -96,12 +130,15 @@ class Attention(nn.Module):
                batch: batch_lib.StepBatch) -> tuple[jax.Array, paged_cache.PagedKVCache]:
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     tp, num_tokens = self.tensor_parallel, x.shape[0]
-    q = _dense(c.num_heads * c.head_dim, "q_proj", c, tp)(x).reshape(
-        num_tokens, c.num_heads, c.head_dim)
-    k = _dense(c.num_kv_heads * c.head_dim, "k_proj", c, tp)(x).reshape(
-        num_tokens, c.num_kv_heads, c.head_dim)
-    v = _dense(c.num_kv_heads * c.head_dim, "v_proj", c, tp)(x).reshape(
-        num_tokens, c.num_kv_heads, c.head_dim)
+    products = Products(c, tp)
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q, k, v = products.project(x, [
+        Weight(q_dim, dtype, name="q_proj")(c.d_model),
+        Weight(kv_dim, dtype, name="k_proj")(c.d_model),
+        Weight(kv_dim, dtype, name="v_proj")(c.d_model)])
+    q = q.reshape(num_tokens, c.num_heads, c.head_dim)
+    k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
+    v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
     inv_freq = rope.inverse_frequencies(c.head_dim, c.rope_theta, c.get("rope_scaling"))
     q = rope.apply(q, batch.positions, inv_freq)
     k = rope.apply(k, batch.positions, inv_freq)
@@ -116,9 +153,10 @@ class Attention(nn.Module):
         layer=self.layer, page_tables=batch.page_tables, context_lens=batch.context_lens,
         query_start_loc=batch.query_start_loc, decode_only=batch.decode_only,
         tensor_parallel=tp)
-    out = out.astype(dtype).reshape(num_tokens, c.num_heads * c.head_dim)
+    out = out.astype(dtype).reshape(num_tokens, q_dim)
+    (out,) = products.project(out, [Weight(c.d_model, dtype, name="o_proj")(q_dim)])
     # Each device's heads project to a partial sum; replicated, they are all-reduced.
-    out = sharding.constrain(_dense(c.d_model, "o_proj", c, tp)(out), tp, "replicated")
+    out = sharding.constrain(out, tp, "replicated")
     return out, cache
 
 
@@ -128,10 +166,11 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    c, tp = self.config, self.tensor_parallel
-    gate = _dense(c.ffn_dim, "gate_proj", c, tp)(x)
-    up = _dense(c.ffn_dim, "up_proj", c, tp)(x)
-    out = _dense(c.d_model, "down_proj", c, tp)(nn.silu(gate) * up)
+    c, tp, dtype = self.config, self.tensor_parallel, paged_cache.jnp_dtype(self.config.dtype)
+    products = Products(c, tp)
+    hidden = products.swiglu(x, Weight(c.ffn_dim, dtype, name="gate_proj")(c.d_model),
+                             Weight(c.ffn_dim, dtype, name="up_proj")(c.d_model))
+    (out,) = products.project(hidden, [Weight(c.d_model, dtype, name="down_proj")(c.ffn_dim)])
     return sharding.constrain(out, tp, "replicated")  # all-reduced
 
 
@@ -168,8 +207,8 @@ class Llama(nn.Module):
     for layer in range(c.num_layers):
       x, cache = DecoderLayer(c, layer, tp, name=f"layers_{layer}")(x, cache, batch)
     x = RMSNorm(c.norm_eps, dtype, name="norm")(x[batch.logits_indices])
-    logits = (embed.attend(x) if c.tie_embeddings
-              else _dense(c.vocab_size, "lm_head", c, tp)(x))
+    logits = (embed.attend(x) if c.tie_embeddings else Products(c, tp).project(
+        x, [Weight(c.vocab_size, dtype, name="lm_head")(c.d_model)])[0])
     # Each device scores its slice of the vocabulary; the sampler gets whole logits on
     # every device: one gather of `[num_seqs, vocab]`, not of the LM head's weights.
     logits = sharding.constrain(logits.astype(jnp.float32), tp, "vocab")

@@ -5,8 +5,9 @@ threads; `linear_amx.cc` computes products of more rows on AMX in three bf16 pas
 at `Precision.HIGH`. The tests hold the first to float64 products over ragged shapes
 (rows not a multiple of its 8-row blocks, inner sizes from 1) and the second to its
 error bound (rows, inner sizes and columns not multiples of its tiles); check that
-`dot_general` takes exactly the products it should and leaves the rest to XLA
-unchanged; that a model on the kernels generates the tokens of the same model on XLA;
+`project` and `swiglu` take exactly the products they should and leaves the rest to XLA
+unchanged (several products of one input in one call, SwiGLU's two with their
+activation); that a model on the kernels generates the tokens of the same model on XLA;
 and that callers on several threads at once (the helpers serve one job at a time; the
 others run on their own thread) all get their products.
 """
@@ -72,28 +73,55 @@ def test_runs_only_where_it_should():
     linear.linear(jnp.ones((4, 8)), jnp.ones((8, 48)))
 
 
-def _custom_calls(fn, *args) -> int:
-  return jax.jit(fn).lower(*args).compile().as_text().count("kvpage_linear")
+def _custom_calls(fn, *args, target: str = "kvpage_linear") -> int:
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  return text.count(f'custom_call_target="{target}"')
 
 
-@pytest.mark.parametrize("rows,columns,takes", [
-    (64, 256, True), (linear.MAX_ROWS + 8, 256, False), (64, 40, False)])
-def test_dot_general_takes_what_runs_and_passes_on_the_rest(rows, columns, takes):
-  x, w = _operands(rows, 32, columns)
-  dims = (((1,), (0,)), ((), ()))
-  args = (jnp.asarray(x), jnp.asarray(w))
-  assert (_custom_calls(lambda a, b: linear.dot_general(a, b, dims), *args) > 0) == takes
-  got = jax.jit(lambda a, b: linear.dot_general(a, b, dims))(*args)
-  np.testing.assert_allclose(np.asarray(got), np.asarray(jax.lax.dot_general(*args, dims)),
-                             rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("rows,columns,calls", [
+    (64, [256, 128, 128], 1), (linear.MAX_ROWS + 8, [256], 0), (64, [64, 40], 0)])
+def test_project_takes_what_runs_in_one_call_and_passes_on_the_rest(rows, columns, calls):
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, 32)), jnp.float32)
+  weights = [jnp.asarray(rng.standard_normal((32, n)), jnp.float32) for n in columns]
+  assert _custom_calls(lambda a, *ws: linear.project(a, list(ws)), x, *weights) == calls
+  got = jax.jit(lambda a, *ws: linear.project(a, list(ws)))(x, *weights)
+  for out, w in zip(got, weights, strict=True):
+    np.testing.assert_allclose(np.asarray(out), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
 
 
-def test_dot_general_leaves_other_contractions_to_xla():
-  a, b = jnp.ones((4, 8, 16)), jnp.ones((4, 16, 32))
-  batched = (((2,), (1,)), ((0,), (0,)))  # a batch axis: not a dense layer's product
-  assert _custom_calls(lambda p, q: linear.dot_general(p, q, batched), a, b) == 0
-  np.testing.assert_array_equal(np.asarray(linear.dot_general(a, b, batched)),
-                                np.asarray(jax.lax.dot_general(a, b, batched)))
+def _swiglu_float64(x, gate, up):
+  g, u = x.astype(np.float64) @ gate.astype(np.float64), x.astype(np.float64) @ up
+  return g / (1 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("rows,precision,target", [
+    (1, None, "kvpage_swiglu"), (37, None, "kvpage_swiglu"),
+    (linear.MAX_ROWS, "high", "kvpage_swiglu"), (200, "high", "kvpage_swiglu_bf16x3"),
+    (200, None, None)])
+def test_swiglu_matches_float64(rows, precision, target):
+  if target == "kvpage_swiglu_bf16x3":
+    _need_amx()
+  x, gate = _operands(rows, 64, 96, seed=rows)
+  up = _operands(1, 64, 96, seed=rows + 1)[1]
+  args = tuple(map(jnp.asarray, (x, gate, up)))
+
+  def fn(a, g, u):
+    return linear.swiglu(a, g, u, precision)
+
+  for kernel in ("kvpage_swiglu", "kvpage_swiglu_bf16x3"):
+    assert _custom_calls(fn, *args, target=kernel) == (1 if kernel == target else 0)
+  got, want = np.asarray(jax.jit(fn)(*args)), _swiglu_float64(x, gate, up)
+  if target != "kvpage_swiglu_bf16x3":  # fp32, and an exp to 2e-7
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.sqrt(64))
+    return
+  # Each product within its bf16x3 bound (`test_bf16x3_products_...`), carried through
+  # silu(g) * u: |silu'| <= 1.1, so the error is at most 1.1 |u| e_g + |silu(g)| e_u.
+  a = np.abs(x).astype(np.float64)
+  e_gate, e_up = ((3e-5 + 64 * 2e-7) * (a @ np.abs(w)) for w in (gate, up))
+  g, u = x.astype(np.float64) @ gate, x.astype(np.float64) @ up
+  bound = 1.1 * np.abs(u) * e_gate + np.abs(g / (1 + np.exp(-g))) * e_up + e_gate * e_up
+  assert np.all(np.abs(got - want) <= bound)
 
 
 def test_a_model_on_the_kernel_generates_the_tokens_of_xla():
@@ -112,8 +140,9 @@ def test_the_decode_step_runs_its_products_on_the_kernel():
   cache = paged_cache.init(model, num_pages=17, page_size=4)
   text = jax.jit(lambda p, c, b: llama.forward(p, c, b, config=model)).lower(
       params, cache, batch).compile().as_text()
-  # q, k, v, o, gate, up, down in every layer, and the LM head.
-  assert text.count('custom_call_target="kvpage_linear"') == 7 * model.num_layers + 1
+  # q, k and v in one call, o, gate and up in one SwiGLU, down in every layer; the LM head.
+  assert text.count('custom_call_target="kvpage_linear"') == 3 * model.num_layers + 1
+  assert text.count('custom_call_target="kvpage_swiglu"') == model.num_layers
 
 
 def test_unknown_linear_impl_is_refused():
@@ -203,9 +232,11 @@ def test_a_prefill_step_at_high_precision_runs_its_products_on_amx(precision):
   model = tiny_config.get_config().model
   model.linear_impl, model.matmul_precision = "cpu", precision
   text = _prefill_step_text(model)
-  amx_calls = text.count('custom_call_target="kvpage_linear_bf16x3"')
-  # q, k, v, o, gate, up, down of 256 rows in every layer; the LM head's 2 rows in fp32.
-  assert amx_calls == (7 * model.num_layers if precision == "high" else 0)
+  amx = 1 if precision == "high" else 0
+  # q/k/v, o and down of 256 rows in every layer, and its SwiGLU; the LM head's 2 rows
+  # in fp32 (on the kernel of few rows).
+  assert text.count('custom_call_target="kvpage_linear_bf16x3"') == 3 * model.num_layers * amx
+  assert text.count('custom_call_target="kvpage_swiglu_bf16x3"') == model.num_layers * amx
   assert text.count('custom_call_target="kvpage_linear"') == 1
 
 

@@ -14,6 +14,7 @@ from configs import hardware as hardware_lib
 from experiments import build
 from kvpage.device.attention import xla
 from kvpage.sim import capacity, memory_plan
+from models import llama
 
 A100 = hardware_lib.get_hardware("a100_80gb")
 
@@ -30,8 +31,9 @@ def planned_tiny(**model):
 
 def estimated(config) -> int:
   model = capacity.ModelShape.from_config(config.model)
-  return max(memory_plan.step_activation_bytes(model, num_tokens=tokens, num_seqs=seqs,
-                                               dtype=config.model.dtype)
+  return max(memory_plan.step_activation_bytes(
+      model, num_tokens=tokens, num_seqs=seqs, dtype=config.model.dtype,
+      swiglu_in_one_call=llama.swiglu_in_one_call(config.model))
              for tokens, seqs, _ in build.largest_steps(config))
 
 

@@ -14,7 +14,8 @@ included). Both kinds of run fill in the same terms, each with where it came fro
 
 `step_activation_bytes` models what the XLA path keeps live in one step: the widest
 point of a layer's linear part (residual stream, normed input, and the larger of the
-QKV projection and the MLP's gate and up) or of its attention (a decode tile of
+QKV projection and the MLP's gate and up, or their SwiGLU alone where one kernel call
+computes it) or of its attention (a decode tile of
 gathered keys and values for every sequence, or a prompt chunk's query block against
 one key tile), whichever is larger, plus the sampler's fp32 logits. On the tiny model
 it lands within 20% of the measured temporaries (`tests/test_memory_plan.py` holds it
@@ -43,14 +44,17 @@ def _size(num_bytes: float) -> str:
 
 def step_activation_bytes(model: capacity.ModelShape, *, num_tokens: int, num_seqs: int,
                           dtype: str, kv_dtype: str | None = None,
-                          tensor_parallel: int = 1) -> int:
+                          tensor_parallel: int = 1, swiglu_in_one_call: bool = False) -> int:
   """Estimated peak temporaries of one step of `num_tokens` tokens over `num_seqs`
-  sequences (padded shapes, as the step runs them) on one device of a group."""
+  sequences (padded shapes, as the step runs them) on one device of a group.
+  `swiglu_in_one_call`: the MLP's gate and up products never exist apart, only
+  silu(gate) * up (kvpage's CPU kernels)."""
   tp = tensor_parallel
   act, kv = dtype_bytes(dtype), dtype_bytes(kv_dtype or dtype)
   heads, kv_heads = model.num_heads // tp, capacity.kv_heads_per_device(model, tp)
   qkv = (heads + 2 * kv_heads) * model.head_dim
-  mlp = 2 * model.ffn_dim // tp + model.d_model  # gate and up, and their product's input
+  # gate and up (or their product alone), and the MLP's input
+  mlp = (1 if swiglu_in_one_call else 2) * model.ffn_dim // tp + model.d_model
   linear = num_tokens * (2 * model.d_model + max(qkv, mlp)) * act
   tile = DECODE_TOKENS_PER_TILE
   decode = num_seqs * tile * (2 * kv_heads * model.head_dim * kv + heads * 4)

@@ -47,7 +47,9 @@ HEADERS = tuple(sorted(pathlib.Path(__file__).parent.glob("*.h")))
 TARGETS = {"kvpage_paged_decode": "KvpagePagedDecode",
            "kvpage_paged_prefill": "KvpagePagedPrefill",
            "kvpage_linear": "KvpageLinear",
-           "kvpage_linear_bf16x3": "KvpageLinearBf16x3"}
+           "kvpage_swiglu": "KvpageSwiglu",
+           "kvpage_linear_bf16x3": "KvpageLinearBf16x3",
+           "kvpage_swiglu_bf16x3": "KvpageSwigluBf16x3"}
 # Reassociation lets the dot products and sums vectorize. Not -ffast-math: a library
 # linked with it sets the CPU to flush subnormals to zero in every thread that loads it.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",

@@ -27,6 +27,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -45,6 +46,37 @@ inline void Store(float* to, F16 value) { *reinterpret_cast<F16Unaligned*>(to) =
 inline F16 Splat(float value) { return F16{} + value; }
 inline F16 Lane() {  // 0, 1, ..., 15
   return F16{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+}
+
+// exp(x) on 16 lanes, for x <= 0 (an online softmax's score minus the running max, a
+// sigmoid's -|x|): exp(x) = 2^n * 2^f with n = round(x log2 e), here trunc(t - 1/2)
+// for t <= 0, and 2^f on [-1/2, 1/2] by Cephes' exp2f polynomial (relative error below
+// 2e-7). Written out because -ffast-math is not an option: loading a library built
+// with it would flush subnormals process-wide.
+inline F16 ExpNonPositive(F16 x) {
+  F16 t = x * 1.44269504088896341f;
+  t = t < -125.0f ? Splat(-125.0f) : t;
+  const I16 n = __builtin_convertvector(t - 0.5f, I16);
+  const F16 f = t - __builtin_convertvector(n, F16);
+  F16 p = Splat(1.535336188319500e-4f);
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const I16 bits = (n + 127) << 23;
+  F16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float ExpNonPositive(float x) { return ExpNonPositive(Splat(x))[0]; }
+
+// x * sigmoid(x) on 16 lanes (SiLU), through exp(-|x|) so nothing overflows.
+inline F16 Silu(F16 x) {
+  const F16 e = ExpNonPositive(x < 0 ? x : -x);
+  return x * (x < 0 ? e : Splat(1.0f)) / (1.0f + e);
 }
 
 inline void CpuRelax() {

@@ -10,13 +10,16 @@
 // rows at a time: 16 vector accumulators (8 rows x 2 vectors of columns) folded over
 // the inner dimension, each step loading two vectors of one row of `w` and broadcasting
 // one element of each of the 8 rows of `x`.
-// Operands: x f32[M, K], w f32[K, N] with N a multiple of 32. Result: f32[M, N].
+// Operands and results: `linear.h` (one x, one or more weights; SwiGLU).
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "common.h"
+#include "linear.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -55,43 +58,70 @@ inline void MicroKernel(const float* x, int64_t stride_x, const float* w, int64_
   }
 }
 
-ffi::Error Linear(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                  ffi::ResultBuffer<ffi::F32> out) {
-  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2 || w_dims[0] != x_dims[1] ||
-      w_dims[1] % kPanel != 0) {
-    return ffi::Error::InvalidArgument(
-        "linear: x must be [M, K] and w [K, N] with N a multiple of 32");
+// Rows [row0, end) of one 32-column panel: out = x @ w, `stride_w` and `stride_out`
+// floats between rows of w and of out.
+void Panel(const float* x, int64_t inner, const float* w, int64_t stride_w, float* out,
+           int64_t stride_out, int64_t row0, int64_t end) {
+  auto block = [&](auto size, int64_t row) {
+    MicroKernel<decltype(size)::value>(x + row * inner, inner, w, stride_w,
+                                       out + (row - row0) * stride_out, stride_out, inner);
+  };
+  int64_t row = row0;
+  for (; row + kBlockRows <= end; row += kBlockRows) {
+    block(std::integral_constant<int, kBlockRows>{}, row);
   }
-  const int64_t rows = x_dims[0], inner = x_dims[1], columns = w_dims[1];
-  const float* x_data = x.typed_data();
-  const float* w_data = w.typed_data();
-  float* out_data = out->typed_data();
-  const int64_t panels = columns / kPanel;
-  const int64_t chunks = (rows + kChunkRows - 1) / kChunkRows;
-  Workers::Run(panels * chunks, [&](int64_t task) {
-    const int64_t column = task % panels * kPanel;
-    const int64_t end = std::min(rows, (task / panels + 1) * kChunkRows);
-    const float* w_panel = w_data + column;
-    auto block = [&](auto size, int64_t row) {
-      MicroKernel<decltype(size)::value>(x_data + row * inner, inner, w_panel, columns,
-                                         out_data + row * columns + column, columns, inner);
-    };
-    int64_t row = task / panels * kChunkRows;
-    for (; row + kBlockRows <= end; row += kBlockRows) {
-      block(std::integral_constant<int, kBlockRows>{}, row);
+  if (row + 4 <= end) block(std::integral_constant<int, 4>{}, row), row += 4;
+  if (row + 2 <= end) block(std::integral_constant<int, 2>{}, row), row += 2;
+  if (row < end) block(std::integral_constant<int, 1>{}, row);
+}
+
+// Each task: one 32-column panel of one weight (SwiGLU: of both) for up to 64 rows.
+template <bool kSwiglu>
+ffi::Error Linear(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                  ffi::RemainingRets results) {
+  kvpage::Products p;
+  if (ffi::Error error = kvpage::ParseProducts(kSwiglu ? "swiglu" : "linear", kSwiglu, x,
+                                               weights, results, &p);
+      error.failure()) {
+    return error;
+  }
+  // The panels of every weight in a row (SwiGLU: of the gate's, each with the up's).
+  std::vector<std::pair<int64_t, int64_t>> panels;  // (weight, column)
+  for (int64_t i = 0; i < (kSwiglu ? 1 : static_cast<int64_t>(p.weights.size())); ++i) {
+    for (int64_t column = 0; column < p.weights[i].columns; column += kPanel) {
+      panels.emplace_back(i, column);
     }
-    if (row + 4 <= end) block(std::integral_constant<int, 4>{}, row), row += 4;
-    if (row + 2 <= end) block(std::integral_constant<int, 2>{}, row), row += 2;
-    if (row < end) block(std::integral_constant<int, 1>{}, row);
+  }
+  const int64_t num_panels = panels.size();
+  const int64_t chunks = (p.rows + kChunkRows - 1) / kChunkRows;
+  Workers::Run(num_panels * chunks, [&](int64_t task) {
+    const auto [i, column] = panels[task % num_panels];
+    const int64_t row0 = task / num_panels * kChunkRows;
+    const int64_t end = std::min(p.rows, row0 + kChunkRows);
+    const auto& w = p.weights[i];
+    if (!kSwiglu) {
+      Panel(p.x, p.inner, w.data + column, w.columns, w.out + row0 * w.columns + column,
+            w.columns, row0, end);
+      return;
+    }
+    float gate[kChunkRows * kPanel], up[kChunkRows * kPanel];
+    Panel(p.x, p.inner, w.data + column, w.columns, gate, kPanel, row0, end);
+    const auto& w_up = p.weights[1];
+    Panel(p.x, p.inner, w_up.data + column, w.columns, up, kPanel, row0, end);
+    for (int64_t r = 0; r < end - row0; ++r) {
+      for (int64_t c = 0; c < kPanel; c += kLanes) {
+        Store(w.out + (row0 + r) * w.columns + column + c,
+              kvpage::Silu(Load(gate + r * kPanel + c)) * Load(up + r * kPanel + c));
+      }
+    }
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinear, Linear,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define KVPAGE_LINEAR_BINDING                                    \
+  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinear, Linear<false>, KVPAGE_LINEAR_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageSwiglu, Linear<true>, KVPAGE_LINEAR_BINDING);

@@ -1,23 +1,27 @@
-"""Matrix products over few rows on all CPU cores (`linear.cc`), as a Flax `dot_general`.
+"""A model's matrix products on kvpage's CPU kernels, with XLA wherever they do not run.
 
 XLA:CPU runs a product of a few dozen rows on one core. A decode step is made of such
 products (every projection and MLP product of every layer, at one row per sequence),
 so one engine on a 2-core machine leaves a core idle for most of each decode step.
 `linear.cc` splits each product over kvpage's worker threads, which stay awake between
-the kernels of a step. Large products (prompt chunks) stay with XLA, which splits them
-over its own threads and runs them faster than this kernel.
+the kernels of a step, in fp32. Products of more rows (prompt chunks) stay with XLA,
+which splits them over its own threads and runs them faster than that kernel in fp32.
 
-With `Precision.HIGH` (JAX's "bf16_3x": three bf16 passes), large products go to
+With `Precision.HIGH` (JAX's "bf16_3x": three bf16 passes), products of more rows go to
 `linear_amx.cc` instead, on CPUs with AMX: about twice XLA's fp32 speed, within ~1e-5
 relative of fp32 (more accurate than TF32, JAX's default for fp32 products on GPUs).
-Without it, or at `HIGHEST`, they stay with XLA in fp32.
+Without AMX, or at `HIGHEST`, they stay with XLA in fp32.
 
-`dot_general` is a drop-in for `jax.lax.dot_general` in `nn.Dense`: it takes the
-products it can (`target`) and hands every other one to XLA unchanged, so a model
-compiles on any backend. The choice is made per shape and precision, at trace time.
+Both kernels take the products of one input by several weights in one call
+(`project`: q, k and v), and SwiGLU's two products with their `silu(gate) * up`
+(`swiglu`), so the input is read once and the MLP's two products are never written
+out. Each function falls back to XLA (`jax.lax.dot_general` at the same precision)
+where no kernel runs (`target`), so a model compiles on any backend; the choice is made
+per shape and precision, at trace time.
 """
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -52,19 +56,21 @@ def _precision(precision: Any) -> jax.lax.Precision | None:
     return None
 
 
-def target(rows: int, columns: int, dtype: Any, precision: Any = None) -> str | None:
-  """The kernel (FFI target) that computes a product of `rows` rows into `columns`
-  columns, or None where XLA does: on the CPU backend with the kernels built, in fp32
-  with a multiple of 32 columns, `kvpage_linear` takes up to `MAX_ROWS` rows, and at
-  `Precision.HIGH` on a CPU with AMX (`kvpage.device.cpu.amx`) `kvpage_linear_bf16x3`
-  takes more."""
+def target(rows: int, columns: int, dtype: Any, precision: Any = None,
+           swiglu: bool = False) -> str | None:
+  """The kernel (FFI target) that computes products of `rows` rows into `columns`
+  columns (plain, or SwiGLU's), or None where XLA does: on the CPU backend with the
+  kernels built, in fp32 with a multiple of 32 columns, `linear.cc` takes up to
+  `MAX_ROWS` rows, and at `Precision.HIGH` on a CPU with AMX (`kvpage.device.cpu.amx`)
+  `linear_amx.cc` takes more."""
   if not (rows > 0 and columns % PANEL == 0 and jnp.dtype(dtype) == jnp.float32
           and jax.default_backend() == "cpu" and cpu.status() == "ready"):
     return None
+  kind = "swiglu" if swiglu else "linear"
   if rows <= MAX_ROWS:
-    return "kvpage_linear"
+    return f"kvpage_{kind}"
   if _precision(precision) == jax.lax.Precision.HIGH and cpu.amx():
-    return "kvpage_linear_bf16x3"
+    return f"kvpage_{kind}_bf16x3"
   return None
 
 
@@ -73,32 +79,60 @@ def runs(rows: int, columns: int, dtype: Any, precision: Any = None) -> bool:
   return target(rows, columns, dtype, precision) is not None
 
 
+def _kernel(x: jax.Array, weights: Sequence[jax.Array], precision: Any,
+            swiglu: bool) -> tuple[str, int] | None:
+  """The kernel that takes all of `weights`' products of `x` in one call, and the rows;
+  None where there is none (shapes, dtypes, backend, precision)."""
+  rows = math.prod(x.shape[:-1])
+  names = {target(rows, w.shape[-1], w.dtype, precision, swiglu) if (
+      w.ndim == 2 and w.shape[0] == x.shape[-1] and w.dtype == x.dtype) else None
+      for w in weights}
+  if swiglu and weights[0].shape != weights[1].shape:
+    return None
+  name = names.pop() if len(names) == 1 else None
+  return None if name is None else (name, rows)
+
+
+def _call(name: str, x: jax.Array, weights: Sequence[jax.Array], rows: int,
+          columns: Sequence[int]) -> list[jax.Array]:
+  results = [jax.ShapeDtypeStruct((rows, n), x.dtype) for n in columns]
+  outs = jax.ffi.ffi_call(name, results)(x.reshape(rows, x.shape[-1]), *weights)
+  return [out.reshape(*x.shape[:-1], n) for out, n in zip(outs, columns)]
+
+
+def _xla(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
+  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
+
+
+def project(x: jax.Array, weights: Sequence[jax.Array], precision: Any = None
+            ) -> list[jax.Array]:
+  """`[x @ w for w in weights]` for `x` [..., K] and each `w` [K, N_i]: in one kernel
+  call where one kernel takes them all, else each on XLA at `precision`."""
+  chosen = _kernel(x, weights, precision, swiglu=False)
+  if chosen is None:
+    return [_xla(x, w, precision) for w in weights]
+  name, rows = chosen
+  return _call(name, x, weights, rows, [w.shape[1] for w in weights])
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+           precision: Any = None) -> jax.Array:
+  """`silu(x @ w_gate) * (x @ w_up)`: in one kernel call where one runs (the products
+  never leave it), else on XLA at `precision`."""
+  chosen = _kernel(x, (w_gate, w_up), precision, swiglu=True)
+  if chosen is None:
+    return jax.nn.silu(_xla(x, w_gate, precision)) * _xla(x, w_up, precision)
+  name, rows = chosen
+  return _call(name, x, (w_gate, w_up), rows, [w_gate.shape[1]])[0]
+
+
 def linear(x: jax.Array, w: jax.Array, precision: Any = None) -> jax.Array:
   """`x @ w` for `x` f32[..., K] and `w` f32[K, N], on the kernel `target` names;
   raises `ValueError` where none runs."""
-  rows = math.prod(x.shape[:-1])
-  name = None
-  if w.ndim == 2 and x.shape[-1] == w.shape[0] and x.dtype == w.dtype:
-    name = target(rows, w.shape[1], w.dtype, precision)
-  if name is None:
+  chosen = _kernel(x, (w,), precision, swiglu=False)
+  if chosen is None:
     raise ValueError(f"the CPU linear kernels do not run here ({cpu.status()}; backend "
                      f"{jax.default_backend()}, x {x.dtype}{list(x.shape)}, w "
                      f"{w.dtype}{list(w.shape)}, precision {precision})")
-  call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((rows, w.shape[1]), x.dtype))
-  return call(x.reshape(rows, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
-
-
-def dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers: Any,
-                precision: Any = None, preferred_element_type: Any = None) -> jax.Array:
-  """`jax.lax.dot_general`, with `nn.Dense`'s products (the last axis of `lhs` against
-  the first of a 2-D `rhs`) on a kernel where one runs."""
-  (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-  dense = (tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,)
-           and not lhs_batch and not rhs_batch and rhs.ndim == 2)
-  out_dtype = jnp.result_type(lhs, rhs) if preferred_element_type is None else jnp.dtype(
-      preferred_element_type)
-  if (dense and lhs.dtype == rhs.dtype == out_dtype
-      and runs(math.prod(lhs.shape[:-1]), rhs.shape[1], rhs.dtype, precision)):
-    return linear(lhs, rhs, precision)
-  return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                             preferred_element_type=preferred_element_type)
+  name, rows = chosen
+  return _call(name, x, (w,), rows, [w.shape[1]])[0]

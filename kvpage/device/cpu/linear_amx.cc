@@ -1,5 +1,6 @@
 // Matrix products of many rows on Intel AMX, in three bf16 passes: out = x @ w, with
-// fp32 operands and result (JAX's `Precision.HIGH`, "bf16_3x").
+// fp32 operands and result (JAX's `Precision.HIGH`, "bf16_3x"). Operands and results:
+// `linear.h` (one x, one or more weights; SwiGLU).
 //
 // A prompt chunk's projections and MLP are products of thousands of rows, which
 // XLA:CPU runs at about 300 GFLOP/s on two cores in fp32 (AVX-512). The AMX tile unit
@@ -19,11 +20,14 @@
 // and the rows' low part with the block's high part.
 // Operands: x f32[M, K], w f32[K, N] with N a multiple of 32. Result: f32[M, N].
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "common.h"
+#include "linear.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -88,7 +92,8 @@ inline __m512 LoadPartial(const float* row, int64_t count) {
                      : _mm512_maskz_loadu_ps((__mmask16)((1u << count) - 1), row);
 }
 
-// Packs column block `block` of w (rows `inner`, padded with zeros to `steps` * 32).
+// Packs column block `block` of w (rows `inner`, padded with zeros to `steps` * 32)
+// into `packed`'s tiles for that block.
 void PackBlock(const float* w, int64_t inner, int64_t columns, int64_t steps, int64_t block,
                uint16_t* packed) {
   uint16_t* high = packed + block * 2 * steps * 2 * kTile;
@@ -113,9 +118,45 @@ void PackBlock(const float* w, int64_t inner, int64_t columns, int64_t steps, in
   }
 }
 
-// out[row0 : row0 + rows] = x[row0 : ...] @ w, for rows <= kChunkRows.
-void Chunk(const float* x, int64_t inner, int64_t columns, int64_t steps,
-           const uint16_t* packed, int64_t row0, int64_t rows, float* out) {
+// A 32x32 block of results, to `to` (rows `to_stride` floats apart): the 32 split rows
+// at `high` / `low` (rows `width` bf16 apart) times one packed column block.
+void Block(const uint16_t* high, const uint16_t* low, int64_t width, int64_t steps,
+           const uint16_t* w_block, float* to, int64_t to_stride) {
+  const uint16_t* w_high = w_block;
+  const uint16_t* w_low = w_block + steps * 2 * kTile;
+  const int64_t stride = width * 2;  // bytes between rows of a part
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t step = 0; step < steps; ++step) {
+    const int64_t k = step * kStep, at = step * 2 * kTile;
+    _tile_loadd(4, high + k, stride);
+    _tile_loadd(5, high + 16 * width + k, stride);
+    _tile_loadd(6, w_high + at, 64);
+    _tile_loadd(7, w_high + at + kTile, 64);
+    MultiplyTiles();
+    _tile_loadd(6, w_low + at, 64);
+    _tile_loadd(7, w_low + at + kTile, 64);
+    MultiplyTiles();
+    _tile_loadd(4, low + k, stride);
+    _tile_loadd(5, low + 16 * width + k, stride);
+    _tile_loadd(6, w_high + at, 64);
+    _tile_loadd(7, w_high + at + kTile, 64);
+    MultiplyTiles();
+  }
+  const int64_t bytes = to_stride * 4;
+  _tile_stored(0, to, bytes);
+  _tile_stored(1, to + 16, bytes);
+  _tile_stored(2, to + 16 * to_stride, bytes);
+  _tile_stored(3, to + 16 * to_stride + 16, bytes);
+}
+
+// Rows [row0, row0 + rows) of every product, rows <= kChunkRows. `packed[i]`: weight
+// i's packed blocks.
+template <bool kSwiglu>
+void Chunk(const kvpage::Products& p, int64_t steps, const std::vector<uint16_t*>& packed,
+           int64_t row0, int64_t rows) {
   // The chunk's rows, split: [part][kChunkRows][steps * 32], zero-padded.
   thread_local std::vector<uint16_t> parts;
   const int64_t width = steps * kStep, padded_rows = (rows + kBlock - 1) / kBlock * kBlock;
@@ -124,8 +165,8 @@ void Chunk(const float* x, int64_t inner, int64_t columns, int64_t steps,
   uint16_t* low = high + kChunkRows * width;
   for (int64_t r = 0; r < padded_rows; ++r) {
     for (int64_t k = 0; k < width; k += 16) {
-      const __m512 value = r < rows && k < inner
-                               ? LoadPartial(x + (row0 + r) * inner + k, inner - k)
+      const __m512 value = r < rows && k < p.inner
+                               ? LoadPartial(p.x + (row0 + r) * p.inner + k, p.inner - k)
                                : _mm512_setzero_ps();
       __m256i h, l;
       Split(value, &h, &l);
@@ -134,43 +175,36 @@ void Chunk(const float* x, int64_t inner, int64_t columns, int64_t steps,
     }
   }
   ConfigureTiles();
-  alignas(64) float spill[kBlock * kBlock];  // the last, partial row block's results
-  const int64_t stride = width * 2;            // bytes between rows of a part
-  for (int64_t block = 0; block < columns / kBlock; ++block) {
-    const uint16_t* w_high = packed + block * 2 * steps * 2 * kTile;
-    const uint16_t* w_low = w_high + steps * 2 * kTile;
-    for (int64_t r = 0; r < padded_rows; r += kBlock) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t step = 0; step < steps; ++step) {
-        const int64_t k = step * kStep, at = step * 2 * kTile;
-        _tile_loadd(4, high + r * width + k, stride);
-        _tile_loadd(5, high + (r + 16) * width + k, stride);
-        _tile_loadd(6, w_high + at, 64);
-        _tile_loadd(7, w_high + at + kTile, 64);
-        MultiplyTiles();
-        _tile_loadd(6, w_low + at, 64);
-        _tile_loadd(7, w_low + at + kTile, 64);
-        MultiplyTiles();
-        _tile_loadd(4, low + r * width + k, stride);
-        _tile_loadd(5, low + (r + 16) * width + k, stride);
-        _tile_loadd(6, w_high + at, 64);
-        _tile_loadd(7, w_high + at + kTile, 64);
-        MultiplyTiles();
-      }
-      const bool whole = r + kBlock <= rows;
-      float* to = whole ? out + (row0 + r) * columns + block * kBlock : spill;
-      const int64_t to_stride = (whole ? columns : kBlock) * 4;
-      _tile_stored(0, to, to_stride);
-      _tile_stored(1, to + 16, to_stride);
-      _tile_stored(2, to + 16 * to_stride / 4, to_stride);
-      _tile_stored(3, to + 16 * to_stride / 4 + 16, to_stride);
-      if (!whole) {
-        for (int64_t i = 0; r + i < rows; ++i) {
-          std::memcpy(out + (row0 + r + i) * columns + block * kBlock, spill + i * kBlock,
-                      kBlock * sizeof(float));
+  const int64_t block_floats = 2 * steps * 2 * kTile;
+  // Blocks of results that do not go straight to their place: a partial row block, or
+  // SwiGLU's two products.
+  alignas(64) float gate[kBlock * kBlock], up[kBlock * kBlock];
+  for (size_t i = 0; i < (kSwiglu ? 1 : p.weights.size()); ++i) {
+    const auto& w = p.weights[i];
+    for (int64_t block = 0; block < w.columns / kBlock; ++block) {
+      const uint16_t* w_block = packed[i] + block * block_floats;
+      for (int64_t r = 0; r < padded_rows; r += kBlock) {
+        float* place = w.out + (row0 + r) * w.columns + block * kBlock;
+        const int64_t valid = std::min(kBlock, rows - r);
+        const uint16_t* x_high = high + r * width;
+        const uint16_t* x_low = low + r * width;
+        if (kSwiglu) {
+          Block(x_high, x_low, width, steps, w_block, gate, kBlock);
+          Block(x_high, x_low, width, steps, packed[1] + block * block_floats, up, kBlock);
+          for (int64_t row = 0; row < valid; ++row) {
+            for (int64_t c = 0; c < kBlock; c += 16) {
+              kvpage::Store(place + row * w.columns + c,
+                            kvpage::Silu(kvpage::Load(gate + row * kBlock + c)) *
+                                kvpage::Load(up + row * kBlock + c));
+            }
+          }
+        } else if (valid == kBlock) {
+          Block(x_high, x_low, width, steps, w_block, place, w.columns);
+        } else {
+          Block(x_high, x_low, width, steps, w_block, gate, kBlock);
+          for (int64_t row = 0; row < valid; ++row) {
+            std::memcpy(place + row * w.columns, gate + row * kBlock, kBlock * sizeof(float));
+          }
         }
       }
     }
@@ -178,39 +212,49 @@ void Chunk(const float* x, int64_t inner, int64_t columns, int64_t steps,
   _tile_release();  // a released tile state costs nothing at a context switch
 }
 
-ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::ResultBuffer<ffi::F32> out) {
-  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
-  if (x_dims.size() != 2 || w_dims.size() != 2 || w_dims[0] != x_dims[1] ||
-      w_dims[1] % kBlock != 0) {
-    return ffi::Error::InvalidArgument(
-        "linear_bf16x3: x must be [M, K] and w [K, N] with N a multiple of 32");
+template <bool kSwiglu>
+ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
+                        ffi::RemainingRets results) {
+  kvpage::Products p;
+  if (ffi::Error error = kvpage::ParseProducts(kSwiglu ? "swiglu_bf16x3" : "linear_bf16x3",
+                                               kSwiglu, x, weights, results, &p);
+      error.failure()) {
+    return error;
   }
   if (!RequestAmx()) return ffi::Error::Internal("linear_bf16x3: the OS refused AMX");
-  const int64_t rows = x_dims[0], inner = x_dims[1], columns = w_dims[1];
-  const int64_t steps = (inner + kStep - 1) / kStep, blocks = columns / kBlock;
-  const float* x_data = x.typed_data();
-  const float* w_data = w.typed_data();
-  float* out_data = out->typed_data();
-  thread_local std::vector<uint16_t> packed;  // the caller's: one call at a time
-  packed.resize(blocks * 2 * steps * 2 * kTile);
-  uint16_t* packed_data = packed.data();
-  kvpage::Workers::Run(blocks, [&](int64_t block) {
-    PackBlock(w_data, inner, columns, steps, block, packed_data);
+  const int64_t steps = (p.inner + kStep - 1) / kStep, block_floats = 2 * steps * 2 * kTile;
+  // Every weight's packed blocks, in the caller's buffer (one call at a time per
+  // thread), and the list of (weight, block) to pack.
+  thread_local std::vector<uint16_t> buffer;
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  int64_t total = 0;
+  for (size_t i = 0; i < p.weights.size(); ++i) {
+    for (int64_t b = 0; b < p.weights[i].columns / kBlock; ++b) blocks.emplace_back(i, b);
+    total += p.weights[i].columns / kBlock * block_floats;
+  }
+  buffer.resize(total);
+  std::vector<uint16_t*> packed;
+  for (size_t i = 0, at = 0; i < p.weights.size(); ++i) {
+    packed.push_back(buffer.data() + at);
+    at += p.weights[i].columns / kBlock * block_floats;
+  }
+  kvpage::Workers::Run(blocks.size(), [&](int64_t task) {
+    const auto [i, block] = blocks[task];
+    PackBlock(p.weights[i].data, p.inner, p.weights[i].columns, steps, block, packed[i]);
   });
-  kvpage::Workers::Run((rows + kChunkRows - 1) / kChunkRows, [&](int64_t chunk) {
+  kvpage::Workers::Run((p.rows + kChunkRows - 1) / kChunkRows, [&](int64_t chunk) {
     const int64_t row0 = chunk * kChunkRows;
-    Chunk(x_data, inner, columns, steps, packed_data, row0,
-          std::min(kChunkRows, rows - row0), out_data);
+    Chunk<kSwiglu>(p, steps, packed, row0, std::min(kChunkRows, p.rows - row0));
   });
   return ffi::Error::Success();
 }
 
 #else  // no AMX in this build's target CPU
 
-ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32>, ffi::Buffer<ffi::F32>,
-                        ffi::ResultBuffer<ffi::F32>) {
-  return ffi::Error::Unimplemented("linear_bf16x3: built for a CPU without AMX");
+template <bool kSwiglu>
+ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32>, ffi::RemainingArgs, ffi::RemainingRets) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "linear_bf16x3: built for a CPU without AMX");
 }
 
 #endif
@@ -227,8 +271,8 @@ extern "C" int KvpageAmxAvailable() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinearBf16x3, LinearBf16x3,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define KVPAGE_LINEAR_BINDING \
+  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinearBf16x3, LinearBf16x3<false>, KVPAGE_LINEAR_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageSwigluBf16x3, LinearBf16x3<true>, KVPAGE_LINEAR_BINDING);

@@ -38,6 +38,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using kvpage::ExpNonPositive;
 using kvpage::F16;
 using kvpage::I16;
 using kvpage::kLanes;
@@ -57,31 +58,6 @@ inline bool SupportedHeadDim(int64_t head_dim) {
   return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 ||
          head_dim == 256;
 }
-
-// exp(x) on 16 lanes, for the x <= 0 of an online softmax (a score minus the running
-// max): exp(x) = 2^n * 2^f with n = round(x log2 e), here trunc(t - 1/2) for t <= 0, and
-// 2^f on [-1/2, 1/2] by Cephes' exp2f polynomial (relative error below 2e-7). Written
-// out because -ffast-math is not an option: loading a library built with it would
-// flush subnormals process-wide.
-inline F16 ExpNonPositive(F16 x) {
-  F16 t = x * 1.44269504088896341f;
-  t = t < -125.0f ? Splat(-125.0f) : t;
-  const I16 n = __builtin_convertvector(t - 0.5f, I16);
-  const F16 f = t - __builtin_convertvector(n, F16);
-  F16 p = Splat(1.535336188319500e-4f);
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const I16 bits = (n + 127) << 23;
-  F16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
-
-inline float ExpNonPositive(float x) { return ExpNonPositive(Splat(x))[0]; }
 
 // Across the 16 lanes by halving: each step adds (or maxes) the vector with itself
 // rotated by half its width, 4 shuffles in all.
