@@ -152,7 +152,7 @@ class Attention(nn.Module):
         c.attention_impl, q.astype(cache.dtype), cache.k_pages, cache.v_pages,
         layer=self.layer, page_tables=batch.page_tables, context_lens=batch.context_lens,
         query_start_loc=batch.query_start_loc, decode_only=batch.decode_only,
-        tensor_parallel=tp)
+        tensor_parallel=tp, precision=products.precision)
     out = out.astype(dtype).reshape(num_tokens, q_dim)
     (out,) = products.project(out, [Weight(c.d_model, dtype, name="o_proj")(q_dim)])
     # Each device's heads project to a partial sum; replicated, they are all-reduced.

@@ -238,6 +238,9 @@ def test_a_prefill_step_at_high_precision_runs_its_products_on_amx(precision):
   assert text.count('custom_call_target="kvpage_linear_bf16x3"') == 3 * model.num_layers * amx
   assert text.count('custom_call_target="kvpage_swiglu_bf16x3"') == model.num_layers * amx
   assert text.count('custom_call_target="kvpage_linear"') == 1
+  # and attention's prompt chunks (head_dim 64) on AMX too
+  assert text.count('custom_call_target="kvpage_paged_prefill_bf16x3"') == model.num_layers * amx
+  assert text.count('custom_call_target="kvpage_paged_prefill"') == model.num_layers * (1 - amx)
 
 
 def test_unknown_matmul_precision_is_refused():

@@ -80,9 +80,12 @@ def test_greedy_generation_matches_transformers(checkpoint, chunk_size, impl):
     assert request.output_ids == hf_greedy(model, prompt, 32), f"prompt of {len(prompt)}"
 
 
-def test_long_prompts_at_high_precision_match_transformers(checkpoint):
-  directory, model = checkpoint
-  config, params = hf.load(directory)
+@pytest.mark.parametrize("shape", [dict(num_heads=4, num_kv_heads=2),  # head_dim 16
+                                   dict(num_heads=4, num_kv_heads=2, head_dim=32)])
+def test_long_prompts_at_high_precision_match_transformers(shape, tmp_path):
+  # head_dim 32: attention's products on AMX too (head sizes that are multiples of 32).
+  model = make_checkpoint(tmp_path, **shape)
+  config, params = hf.load(tmp_path)
   config.attention_impl = config.linear_impl = "cpu"
   config.matmul_precision = "high"  # the CPU configs' choice
   engine = build.llama_engine(config, params, scheduler_config(0), num_pages=64,

@@ -34,7 +34,8 @@ ATTENTION_IMPLS = ("xla", "cpu", "reference", "pallas", "mosaic")
 
 def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, layer: int,
               page_tables: jax.Array, context_lens: jax.Array, query_start_loc: jax.Array,
-              decode_only: bool, tensor_parallel: TensorParallel | None = None) -> jax.Array:
+              decode_only: bool, tensor_parallel: TensorParallel | None = None,
+              precision: Any = None) -> jax.Array:
   """One layer's attention of a step's new tokens, by the implementation `impl`.
 
   Args:
@@ -51,6 +52,9 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
       token `s` being sequence `s`'s. `xla` then takes its decode-only path.
     tensor_parallel: the mesh the step runs on, if any: `q` split by query heads and
       the pools by KV heads (`kvpage.device.sharding`); each device attends with its own.
+    precision: the products' (`jax.lax.dot_general`'s argument); `cpu` takes prompt
+      chunks' products in three bf16 passes on AMX at `Precision.HIGH`
+      (`cpu.paged_prefill`), the others keep their own.
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   Raises:
@@ -65,7 +69,7 @@ def attention(impl: str, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *
   def one_device(q, k_pages, v_pages, page_tables, context_lens, query_start_loc):
     return _attention(impl, q, k_pages, v_pages, layer=layer, page_tables=page_tables,
                       context_lens=context_lens, query_start_loc=query_start_loc,
-                      decode_only=decode_only)
+                      decode_only=decode_only, precision=precision)
   if tensor_parallel is not None:
     one_device = sharding.shard_attention(one_device, tensor_parallel)
   return one_device(q, k_pages, v_pages, page_tables, context_lens, query_start_loc)
@@ -82,14 +86,15 @@ def decode_reads_longest(impl: str, *, kv_dtype: Any, num_heads: int, num_kv_hea
 
 
 def _attention(impl, q, k_pages, v_pages, *, layer, page_tables, context_lens, query_start_loc,
-               decode_only):
+               decode_only, precision):
   lengths = dict(page_tables=page_tables, context_lens=context_lens)
   if impl in ("xla", "cpu") and decode_only:
     return xla.paged_decode_attention(q, k_pages, v_pages, layer=layer, **lengths,
                                       decode_kernel=impl)
   if impl in ("xla", "cpu"):
     return xla.ragged_blocked_attention(q, k_pages, v_pages, layer=layer, **lengths,
-                                        query_start_loc=query_start_loc, decode_kernel=impl)
+                                        query_start_loc=query_start_loc, decode_kernel=impl,
+                                        precision=precision)
   if impl == "reference":
     return reference.ragged_paged_attention(q, k_pages[layer], v_pages[layer], **lengths,
                                             query_start_loc=query_start_loc)

@@ -11,7 +11,9 @@ matmul speed. The C++ kernels read the pages where they lie, with two handlers:
     the decodes of mixed steps);
   * `paged_prefill`: one task per (sequence, KV head, query block of ~128 query rows),
     each scoring its block against key tiles of 64 tokens with register-blocked
-    products, causal, for prompt chunks (fresh or over a cached prefix).
+    products, causal, for prompt chunks (fresh or over a cached prefix); at
+    `Precision.HIGH` on a CPU with AMX, its products take three bf16 passes on the
+    tile unit instead (`paged_prefill_bf16x3`).
 
 The `cpu` attention implementation is the XLA paths with both kinds of row on them.
 Where the kernels are not built (`kvpage.device.cpu.status()` says why), off the CPU
@@ -19,10 +21,13 @@ backend, and for shapes the kernels do not take (`runs`), the rows stay on the X
 paths.
 """
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvpage.device import cpu
 from kvpage.device.cpu import status
 
 # Query heads per KV head the decode kernel takes (paged_attention.cc's kMaxGroup).
@@ -73,7 +78,8 @@ def prefill_runs(dtype: jnp.dtype, head_dim: int) -> bool:
 
 def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tables: jax.Array,
                   query_start_loc: jax.Array, context_lens: jax.Array, *, layer: int,
-                  sm_scale: float, soft_cap: float | None = None) -> jax.Array:
+                  sm_scale: float, soft_cap: float | None = None,
+                  precision: Any = None) -> jax.Array:
   """Causal attention of every prompt chunk's tokens, over layer `layer` of the whole
   cache, in place: `ragged_paged_attention` for the sequences with two or more new
   tokens; the rows of the others (decodes, padding) come out zero.
@@ -83,6 +89,10 @@ def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tab
     k_cache, v_cache: `f32[num_layers, num_kv_heads, num_pages, page_size, head_dim]`.
     page_tables, query_start_loc, context_lens: as in `ragged_paged_attention`.
     layer, sm_scale, soft_cap: static; `soft_cap` None for none.
+    precision: the products' (`jax.lax.dot_general`'s argument): at `Precision.HIGH`
+      on a CPU with AMX (`kvpage.device.cpu.bf16x3`), and a head size that is a
+      multiple of 32, the scores and the weighted values take three bf16 passes on
+      the tile unit; else fp32.
   Returns:
     `f32[num_tokens, num_heads, head_dim]`, normalized.
   """
@@ -90,7 +100,9 @@ def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tab
     raise ValueError(f"the CPU prefill kernel does not run here ({status()}; backend "
                      f"{jax.default_backend()}, q {q.dtype}{list(q.shape)}, cache "
                      f"{k_cache.dtype}{list(k_cache.shape)})")
-  call = jax.ffi.ffi_call("kvpage_paged_prefill", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+  name = ("kvpage_paged_prefill_bf16x3" if cpu.bf16x3(precision) and q.shape[-1] % 32 == 0
+          else "kvpage_paged_prefill")
+  call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, jnp.float32))
   return call(q, k_cache, v_cache, page_tables.astype(jnp.int32),
               query_start_loc.astype(jnp.int32), context_lens.astype(jnp.int32),
               layer=np.int64(layer), sm_scale=np.float32(sm_scale),

@@ -21,6 +21,7 @@ of gathering them, where it runs (`cpu.runs`; else they stay here).
 """
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -257,7 +258,7 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
                              sm_scale: float | None = None, soft_cap: float | None = None,
                              query_block: int = PREFILL_QUERY_BLOCK,
                              tokens_per_tile: int = PREFILL_TOKENS_PER_TILE,
-                             decode_kernel: str = "xla") -> jax.Array:
+                             decode_kernel: str = "xla", precision: Any = None) -> jax.Array:
   """`ragged_paged_attention` for any batch: the fast XLA path for mixed steps.
 
   A mixed step holds two kinds of sequence, computed two ways and then put back in
@@ -276,7 +277,8 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
 
   Arguments and result as in `ragged_paged_attention`; with `layer`, `k_pages` and
   `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place;
-  `decode_kernel` as in `paged_decode_attention`.
+  `decode_kernel` as in `paged_decode_attention`; `precision`, the products', reaches
+  the CPU prompt-chunk kernel (`cpu.paged_prefill`).
   """
   pool = _layer_pool(k_pages, layer)
   reference.validate_static(q, pool, _layer_pool(v_pages, layer), page_tables, context_lens,
@@ -302,7 +304,8 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
     chunk_out = cpu.paged_prefill(q, k_pages if whole else k_pages[None],
                                   v_pages if whole else v_pages[None], page_tables,
                                   query_start_loc, context_lens, layer=layer or 0,
-                                  sm_scale=sm_scale, soft_cap=soft_cap)
+                                  sm_scale=sm_scale, soft_cap=soft_cap,
+                                  precision=precision)
   else:
     chunk_out = _blocked_prompt_chunks(q, k_pages, v_pages, page_tables, context_lens,
                                        query_start_loc, is_decode, query_lens, layer=layer,

@@ -34,6 +34,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from typing import Any
 
 import jax
 import jaxlib
@@ -46,6 +47,7 @@ HEADERS = tuple(sorted(pathlib.Path(__file__).parent.glob("*.h")))
 # The FFI targets' registered names, and the library symbols that implement them.
 TARGETS = {"kvpage_paged_decode": "KvpagePagedDecode",
            "kvpage_paged_prefill": "KvpagePagedPrefill",
+           "kvpage_paged_prefill_bf16x3": "KvpagePagedPrefillBf16x3",
            "kvpage_linear": "KvpageLinear",
            "kvpage_swiglu": "KvpageSwiglu",
            "kvpage_linear_bf16x3": "KvpageLinearBf16x3",
@@ -122,3 +124,28 @@ def amx() -> bool:
   """Whether `linear_amx.cc` runs here: kernels ready, built for a CPU with AMX (bf16
   tiles), and the OS grants this process the tile registers."""
   return status() == "ready" and bool(_library().KvpageAmxAvailable())
+
+
+def _precision(precision: Any) -> jax.lax.Precision | None:
+  """A `dot_general` precision argument (None, a `Precision` or its name, an algorithm
+  preset, or a pair of them) as one `Precision`, the lower of a pair; None for anything
+  else (another algorithm). None defers to `jax_default_matmul_precision`."""
+  if isinstance(precision, (tuple, list)):
+    pair = [_precision(p) for p in precision]
+    return None if None in pair else min(pair, key=lambda p: p.value)
+  if precision is None:
+    precision = jax.config.jax_default_matmul_precision or "default"
+  if isinstance(precision, jax.lax.DotAlgorithmPreset):
+    precision = precision.name
+  if precision == "BF16_BF16_F32_X3":  # the algorithm `Precision.HIGH` names
+    return jax.lax.Precision.HIGH
+  try:
+    return jax.lax.Precision(precision)
+  except (ValueError, TypeError):
+    return None
+
+
+def bf16x3(precision: Any) -> bool:
+  """Whether products at `precision` (a `dot_general` precision argument) run on AMX in
+  three bf16 passes here: JAX's `Precision.HIGH` ("bf16_3x"), where `amx()`."""
+  return _precision(precision) == jax.lax.Precision.HIGH and amx()

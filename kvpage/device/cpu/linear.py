@@ -37,25 +37,6 @@ MAX_ROWS = 128
 PANEL = 32  # result columns a task computes (linear.cc's kPanel)
 
 
-def _precision(precision: Any) -> jax.lax.Precision | None:
-  """A `dot_general` precision argument (None, a `Precision` or its name, an algorithm
-  preset, or a pair of them) as one `Precision`, the lower of a pair; None for anything
-  else (another algorithm). None defers to `jax_default_matmul_precision`."""
-  if isinstance(precision, (tuple, list)):
-    pair = [_precision(p) for p in precision]
-    return None if None in pair else min(pair, key=lambda p: p.value)
-  if precision is None:
-    precision = jax.config.jax_default_matmul_precision or "default"
-  if isinstance(precision, jax.lax.DotAlgorithmPreset):
-    precision = precision.name
-  if precision == "BF16_BF16_F32_X3":  # the algorithm `Precision.HIGH` names
-    return jax.lax.Precision.HIGH
-  try:
-    return jax.lax.Precision(precision)
-  except (ValueError, TypeError):
-    return None
-
-
 def target(rows: int, columns: int, dtype: Any, precision: Any = None,
            swiglu: bool = False) -> str | None:
   """The kernel (FFI target) that computes products of `rows` rows into `columns`
@@ -69,7 +50,7 @@ def target(rows: int, columns: int, dtype: Any, precision: Any = None,
   kind = "swiglu" if swiglu else "linear"
   if rows <= MAX_ROWS:
     return f"kvpage_{kind}"
-  if _precision(precision) == jax.lax.Precision.HIGH and cpu.amx():
+  if cpu.bf16x3(precision):
     return f"kvpage_{kind}_bf16x3"
   return None
 

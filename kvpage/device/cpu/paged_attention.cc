@@ -31,6 +31,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,6 +39,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+#ifdef KVPAGE_AMX
+namespace amx = kvpage::amx;
+#endif
 using kvpage::ExpNonPositive;
 using kvpage::F16;
 using kvpage::I16;
@@ -418,6 +422,230 @@ void AttendBlock(const PrefillProblem& p, const Block& block, int64_t kv_head) {
   }
 }
 
+#ifdef KVPAGE_AMX
+// ---------------------------------------------------------------------------------
+// Prompt chunks on AMX, in three bf16 passes (`amx.h`; JAX's `Precision.HIGH`).
+//
+// Everything is transposed, so that each operand is packed once: scores come out as
+// S^T = K Q^T ([keys][query rows]: K's split rows are the left operand, packed once per
+// sequence and KV head; Q^T is packed once per block of 32 query rows), the online
+// softmax runs down the keys with 16 query rows per vector (no reductions across
+// lanes), and the weighted values come out as O^T = V^T P^T (V^T split once per
+// sequence and KV head, P^T packed per key tile like a weight).
+constexpr int64_t kAmxTileKeys = 64;  // keys per softmax tile: two 32-key blocks
+
+// One sequence's keys and values for one KV head, split: K [keys][d] and V^T [d][keys],
+// keys padded with zeros to a multiple of kAmxTileKeys (`padded`).
+struct SplitContext {
+  const uint16_t *k_high, *k_low, *vt_high, *vt_low;
+  int64_t padded;
+};
+
+void SplitSequence(const PrefillProblem& p, int64_t head_dim, int64_t seq, int64_t kv_head,
+                   int64_t context, uint16_t* k_high, uint16_t* k_low, uint16_t* vt_high,
+                   uint16_t* vt_low, int64_t padded) {
+  const int64_t page_floats = p.page_size * head_dim;
+  const int64_t head_base = (p.layer * p.num_kv_heads + kv_head) * p.num_pages;
+  const int32_t* table = p.tables + seq * p.table_width;
+  for (int64_t t = 0; t < padded; ++t) {
+    const bool real = t < context;
+    const int64_t offset = real ? (head_base + table[t / p.page_size]) * page_floats +
+                                      t % p.page_size * head_dim
+                                : 0;
+    for (int64_t i = 0; i < head_dim; i += 16) {
+      __m256i high, low;
+      amx::Split(real ? _mm512_loadu_ps(p.k + offset + i) : _mm512_setzero_ps(), &high, &low);
+      _mm256_storeu_si256((__m256i*)(k_high + t * head_dim + i), high);
+      _mm256_storeu_si256((__m256i*)(k_low + t * head_dim + i), low);
+      amx::Split(real ? _mm512_loadu_ps(p.v + offset + i) : _mm512_setzero_ps(), &high, &low);
+      alignas(32) uint16_t h[16], l[16];
+      _mm256_store_si256((__m256i*)h, high);
+      _mm256_store_si256((__m256i*)l, low);
+      for (int j = 0; j < 16; ++j) {
+        vt_high[(i + j) * padded + t] = h[j];
+        vt_low[(i + j) * padded + t] = l[j];
+      }
+    }
+  }
+}
+
+// Q^T for 32 query rows (`q`: [32][d] fp32, scaled), packed as the right operand of
+// S^T = K Q^T: [part][d / 32 steps][16-row half][16 dim pairs][16 rows][2].
+void PackQueries(const float* q, int64_t head_dim, uint16_t* packed) {
+  const int64_t steps = head_dim / amx::kStep;
+  uint16_t* parts[2] = {packed, packed + steps * 2 * amx::kTile};
+  for (int64_t row = 0; row < amx::kBlock; ++row) {
+    for (int64_t i = 0; i < head_dim; i += 16) {
+      __m256i high, low;
+      amx::Split(_mm512_loadu_ps(q + row * head_dim + i), &high, &low);
+      alignas(32) uint16_t split[2][16];
+      _mm256_store_si256((__m256i*)split[0], high);
+      _mm256_store_si256((__m256i*)split[1], low);
+      for (int part = 0; part < 2; ++part) {
+        for (int j = 0; j < 16; ++j) {
+          const int64_t dim = i + j;
+          parts[part][((dim / amx::kStep) * 2 + row / 16) * amx::kTile +
+                      (dim % amx::kStep) / 2 * 32 + (row % 16) * 2 + dim % 2] = split[part][j];
+        }
+      }
+    }
+  }
+}
+
+// One query block's attention over the query heads of `kv_head`, on AMX, with the
+// sequence's split keys and values. `VD`: vectors per head_dim (a multiple of 2).
+template <int VD>
+void AttendBlockAmx(const PrefillProblem& p, const Block& block, int64_t kv_head,
+                    const SplitContext& context) {
+  constexpr int64_t d = VD * kLanes;
+  constexpr int64_t kRows = amx::kBlock;  // query rows per pass
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t rows = block.num_tokens * group;
+  alignas(64) float q[kRows * d];
+  alignas(64) float scores[kAmxTileKeys * kRows];  // S^T, then P^T
+  alignas(64) float acc[d * kRows];                // O^T
+  alignas(64) float product[amx::kBlock * kRows];
+  alignas(64) uint16_t q_packed[2 * (d / amx::kStep) * 2 * amx::kTile];
+  alignas(64) uint16_t p_packed[2 * (kAmxTileKeys / amx::kStep) * 2 * amx::kTile];
+  amx::ConfigureTiles();
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    // Row r: token r / group, query head kv_head * group + r % group; rows past the
+    // block see no key.
+    F16 position[2], running_max[2], denominator[2] = {};
+    for (int half = 0; half < 2; ++half) {
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const int64_t r = r0 + half * kLanes + lane;
+        position[half][lane] = r < rows ? static_cast<float>(block.first_position + r / group)
+                                        : -1.0f;
+      }
+      running_max[half] = Splat(kNoScore);
+    }
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float* from = p.q + ((block.first_token + (r0 + r) / group) * p.num_heads +
+                                 kv_head * group + (r0 + r) % group) * d;
+      for (int64_t i = 0; i < d; ++i) q[r * d + i] = r0 + r < rows ? from[i] * p.sm_scale : 0.0f;
+    }
+    PackQueries(q, d, q_packed);
+    std::fill(acc, acc + d * kRows, 0.0f);
+    // Keys the pass's last row sees.
+    const int64_t last = block.first_position + (std::min(rows, r0 + kRows) - 1) / group + 1;
+    for (int64_t tile = 0; tile < last; tile += kAmxTileKeys) {
+      // S^T for the tile: two blocks of 32 keys.
+      for (int64_t sub = 0; sub < kAmxTileKeys; sub += amx::kBlock) {
+        amx::Block(context.k_high + (tile + sub) * d, context.k_low + (tile + sub) * d, d,
+                   d / amx::kStep, q_packed, scores + sub * kRows, kRows);
+      }
+      // Online softmax down the keys, 16 rows per vector.
+      F16 tile_max[2] = {Splat(kNoScore), Splat(kNoScore)};
+      for (int64_t t = 0; t < kAmxTileKeys; ++t) {
+        const float key_position = static_cast<float>(tile + t);
+        for (int half = 0; half < 2; ++half) {
+          F16 s = Load(scores + t * kRows + half * kLanes);
+          if (p.soft_cap > 0.0f) {
+            for (int i = 0; i < kLanes; ++i) s[i] = p.soft_cap * std::tanh(s[i] / p.soft_cap);
+          }
+          s = key_position <= position[half] ? s : Splat(kNoScore);
+          Store(scores + t * kRows + half * kLanes, s);
+          tile_max[half] = tile_max[half] > s ? tile_max[half] : s;
+        }
+      }
+      F16 rescale[2], sum[2] = {};
+      for (int half = 0; half < 2; ++half) {
+        const F16 new_max = running_max[half] > tile_max[half] ? running_max[half]
+                                                                : tile_max[half];
+        rescale[half] = ExpNonPositive(running_max[half] - new_max);
+        running_max[half] = new_max;
+      }
+      for (int64_t t = 0; t < kAmxTileKeys; ++t) {
+        for (int half = 0; half < 2; ++half) {
+          const F16 s = Load(scores + t * kRows + half * kLanes);
+          const F16 weight = ExpNonPositive(s - running_max[half]);
+          const F16 masked = s > kNoScore * 0.5f ? weight : F16{};
+          sum[half] += masked;
+          Store(scores + t * kRows + half * kLanes, masked);
+        }
+      }
+      for (int half = 0; half < 2; ++half) {
+        denominator[half] = denominator[half] * rescale[half] + sum[half];
+      }
+      for (int64_t i = 0; i < d; ++i) {
+        for (int half = 0; half < 2; ++half) {
+          float* a = acc + i * kRows + half * kLanes;
+          Store(a, Load(a) * rescale[half]);
+        }
+      }
+      // O^T += V^T P^T, 32 dims at a time.
+      amx::PackBlock(scores, kAmxTileKeys, kRows, kAmxTileKeys / amx::kStep, 0, p_packed);
+      for (int64_t dim = 0; dim < d; dim += amx::kBlock) {
+        amx::Block(context.vt_high + dim * context.padded + tile,
+                   context.vt_low + dim * context.padded + tile, context.padded,
+                   kAmxTileKeys / amx::kStep, p_packed, product, kRows);
+        for (int64_t i = 0; i < amx::kBlock * kRows; i += kLanes) {
+          Store(acc + dim * kRows + i, Load(acc + dim * kRows + i) + Load(product + i));
+        }
+      }
+    }
+    for (int64_t r = 0; r < std::min(kRows, rows - r0); ++r) {
+      float* to = p.out + ((block.first_token + (r0 + r) / group) * p.num_heads +
+                           kv_head * group + (r0 + r) % group) * d;
+      const float inverse = 1.0f / denominator[r / kLanes][r % kLanes];
+      for (int64_t i = 0; i < d; ++i) to[i] = acc[i * kRows + r] * inverse;
+    }
+  }
+  _tile_release();
+}
+// The blocks' attention on AMX: every prompt-chunk sequence's keys and values split
+// once per KV head (one task each), then the blocks.
+ffi::Error PrefillOnAmx(const PrefillProblem& p, int64_t head_dim, int64_t num_seqs,
+                        const std::vector<Block>& blocks) {
+  if (!amx::RequestAmx()) return ffi::Error::Internal("paged_prefill: the OS refused AMX");
+  std::vector<int64_t> padded(num_seqs, 0), at(num_seqs + 1, 0);
+  std::vector<int64_t> split_seqs;
+  for (const Block& block : blocks) {
+    if (padded[block.seq] == 0) split_seqs.push_back(block.seq);
+    padded[block.seq] = (p.context_lens[block.seq] + kAmxTileKeys - 1) / kAmxTileKeys *
+                        kAmxTileKeys;
+  }
+  // Per sequence and KV head: K high, K low, V^T high, V^T low.
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    at[seq + 1] = at[seq] + 4 * padded[seq] * head_dim * p.num_kv_heads;
+  }
+  thread_local std::vector<uint16_t> buffer;  // the caller's: one call at a time
+  buffer.resize(at[num_seqs]);
+  uint16_t* data = buffer.data();  // (in a helper, `buffer` would name the helper's own)
+  auto context = [&](int64_t seq, int64_t kv_head) {
+    const int64_t size = padded[seq] * head_dim;
+    uint16_t* base = data + at[seq] + 4 * size * kv_head;
+    return SplitContext{base, base + size, base + 2 * size, base + 3 * size, padded[seq]};
+  };
+  Workers::Run(static_cast<int64_t>(split_seqs.size()) * p.num_kv_heads, [&](int64_t task) {
+    const int64_t seq = split_seqs[task / p.num_kv_heads], kv_head = task % p.num_kv_heads;
+    const SplitContext c = context(seq, kv_head);
+    SplitSequence(p, head_dim, seq, kv_head, p.context_lens[seq],
+                  const_cast<uint16_t*>(c.k_high), const_cast<uint16_t*>(c.k_low),
+                  const_cast<uint16_t*>(c.vt_high), const_cast<uint16_t*>(c.vt_low),
+                  c.padded);
+  });
+  Workers::Run(static_cast<int64_t>(blocks.size()) * p.num_kv_heads, [&](int64_t task) {
+    const Block& block = blocks[task / p.num_kv_heads];
+    const int64_t kv_head = task % p.num_kv_heads;
+    switch (head_dim) {
+      case 32: return AttendBlockAmx<2>(p, block, kv_head, context(block.seq, kv_head));
+      case 64: return AttendBlockAmx<4>(p, block, kv_head, context(block.seq, kv_head));
+      case 128: return AttendBlockAmx<8>(p, block, kv_head, context(block.seq, kv_head));
+      default: return AttendBlockAmx<16>(p, block, kv_head, context(block.seq, kv_head));
+    }
+  });
+  return ffi::Error::Success();
+}
+#else
+ffi::Error PrefillOnAmx(const PrefillProblem&, int64_t, int64_t, const std::vector<Block>&) {
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "paged_prefill_bf16x3: built for a CPU without AMX");
+}
+#endif  // KVPAGE_AMX
+
+template <bool kAmx>
 ffi::Error PagedPrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                         ffi::Buffer<ffi::F32> v_cache,
                         ffi::Buffer<ffi::S32> page_tables,
@@ -469,6 +697,7 @@ ffi::Error PagedPrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
   for (int64_t token = 0; token < num_tokens; ++token) {
     if (!covered[token]) std::fill_n(out_data + token * token_floats, token_floats, 0.0f);
   }
+  if (kAmx && head_dim % 32 == 0) return PrefillOnAmx(p, head_dim, num_seqs, blocks);
   auto attend = [&](const Block& block, int64_t kv_head) {
     switch (head_dim) {
       case 16: return AttendBlock<1>(p, block, kv_head);
@@ -509,7 +738,14 @@ auto Results(Binding binding) {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedDecode, PagedDecode,
                               Results(Operands().Arg<ffi::Buffer<ffi::S32>>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedPrefill, PagedPrefill,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedPrefill, PagedPrefill<false>,
+                              Results(Operands()
+                                          .Arg<ffi::Buffer<ffi::S32>>()
+                                          .Arg<ffi::Buffer<ffi::S32>>()));
+
+// The same in three bf16 passes on AMX (JAX's `Precision.HIGH`), for head sizes that are
+// multiples of 32; others as above.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedPrefillBf16x3, PagedPrefill<true>,
                               Results(Operands()
                                           .Arg<ffi::Buffer<ffi::S32>>()
                                           .Arg<ffi::Buffer<ffi::S32>>()));
