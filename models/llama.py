@@ -32,18 +32,15 @@ from kvpage.device.sharding import TensorParallel
 from models import rope
 
 
-class RMSNorm(nn.Module):
-  """Root-mean-square norm, computed in fp32 as the reference implementation does."""
+class NormScale(nn.Module):
+  """An RMSNorm's scale (`weight`, ones at init), for `cpu_linear.rms_norm` or a
+  product that applies the norm itself."""
 
-  eps: float
   dtype: Any
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    scale = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.dtype)
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    return scale * normed.astype(self.dtype)
+  def __call__(self, features: int) -> jax.Array:
+    return self.param("weight", nn.initializers.ones, (features,), self.dtype)
 
 
 LINEAR_IMPLS = ("xla", "cpu")
@@ -96,20 +93,31 @@ class Products:
       raise ValueError(f"matmul_precision {precision!r}: choose one of "
                        f"{', '.join(MATMUL_PRECISIONS)}")
     self.on_kernels = impl == "cpu" and tensor_parallel is None
+    self.tensor_parallel = tensor_parallel
     self.precision = None if precision == "default" else jax.lax.Precision(precision)
 
-  def project(self, x: jax.Array, weights: list[jax.Array]) -> list[jax.Array]:
-    """`[x @ w for w in weights]`."""
+  def project(self, x: jax.Array, weights: list[jax.Array], *,
+              norm: tuple[jax.Array, float] | None = None,
+              residual: jax.Array | None = None) -> list[jax.Array]:
+    """`[x @ w for w in weights]`; with `norm` (scale, eps), of `rms_norm(x)`; with
+    `residual`, plus the one result made whole across devices (the all-reduce of the
+    row-parallel projections)."""
     if self.on_kernels:
-      return cpu_linear.project(x, weights, self.precision)
-    return [jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
+      return cpu_linear.project(x, weights, self.precision, norm=norm, residual=residual)
+    if norm is not None:
+      x = cpu_linear.rms_norm(x, *norm)
+    outs = [jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
                                 precision=self.precision) for w in weights]
+    if residual is not None:
+      outs = [residual + sharding.constrain(outs[0], self.tensor_parallel, "replicated")]
+    return outs
 
-  def swiglu(self, x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
-    """`silu(x @ gate) * (x @ up)`."""
+  def swiglu(self, x: jax.Array, gate: jax.Array, up: jax.Array, *,
+             norm: tuple[jax.Array, float] | None = None) -> jax.Array:
+    """`silu(x @ gate) * (x @ up)`, of `rms_norm(x)` with `norm`."""
     if self.on_kernels:
-      return cpu_linear.swiglu(x, gate, up, self.precision)
-    gate_out, up_out = self.project(x, [gate, up])
+      return cpu_linear.swiglu(x, gate, up, self.precision, norm=norm)
+    gate_out, up_out = self.project(x, [gate, up], norm=norm)
     return nn.silu(gate_out) * up_out
 
 
@@ -127,7 +135,9 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: paged_cache.PagedKVCache,
-               batch: batch_lib.StepBatch) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+               batch: batch_lib.StepBatch, norm: tuple[jax.Array, float]
+               ) -> tuple[jax.Array, paged_cache.PagedKVCache]:
+    """The residual stream `x` plus attention over `rms_norm(x)` (`norm`: scale, eps)."""
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     tp, num_tokens = self.tensor_parallel, x.shape[0]
     products = Products(c, tp)
@@ -135,7 +145,7 @@ class Attention(nn.Module):
     q, k, v = products.project(x, [
         Weight(q_dim, dtype, name="q_proj")(c.d_model),
         Weight(kv_dim, dtype, name="k_proj")(c.d_model),
-        Weight(kv_dim, dtype, name="v_proj")(c.d_model)])
+        Weight(kv_dim, dtype, name="v_proj")(c.d_model)], norm=norm)
     q = q.reshape(num_tokens, c.num_heads, c.head_dim)
     k = k.reshape(num_tokens, c.num_kv_heads, c.head_dim)
     v = v.reshape(num_tokens, c.num_kv_heads, c.head_dim)
@@ -154,10 +164,10 @@ class Attention(nn.Module):
         query_start_loc=batch.query_start_loc, decode_only=batch.decode_only,
         tensor_parallel=tp, precision=products.precision)
     out = out.astype(dtype).reshape(num_tokens, q_dim)
-    (out,) = products.project(out, [Weight(c.d_model, dtype, name="o_proj")(q_dim)])
-    # Each device's heads project to a partial sum; replicated, they are all-reduced.
-    out = sharding.constrain(out, tp, "replicated")
-    return out, cache
+    # Each device's heads project to a partial sum, all-reduced before the residual.
+    (x,) = products.project(out, [Weight(c.d_model, dtype, name="o_proj")(q_dim)],
+                            residual=x)
+    return x, cache
 
 
 class MLP(nn.Module):
@@ -165,13 +175,15 @@ class MLP(nn.Module):
   tensor_parallel: TensorParallel | None = None
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, norm: tuple[jax.Array, float]) -> jax.Array:
+    """The residual stream `x` plus the MLP of `rms_norm(x)` (`norm`: scale, eps)."""
     c, tp, dtype = self.config, self.tensor_parallel, paged_cache.jnp_dtype(self.config.dtype)
     products = Products(c, tp)
     hidden = products.swiglu(x, Weight(c.ffn_dim, dtype, name="gate_proj")(c.d_model),
-                             Weight(c.ffn_dim, dtype, name="up_proj")(c.d_model))
-    (out,) = products.project(hidden, [Weight(c.d_model, dtype, name="down_proj")(c.ffn_dim)])
-    return sharding.constrain(out, tp, "replicated")  # all-reduced
+                             Weight(c.ffn_dim, dtype, name="up_proj")(c.d_model), norm=norm)
+    (x,) = products.project(hidden, [Weight(c.d_model, dtype, name="down_proj")(c.ffn_dim)],
+                            residual=x)  # all-reduced before the residual
+    return x
 
 
 class DecoderLayer(nn.Module):
@@ -183,10 +195,11 @@ class DecoderLayer(nn.Module):
   def __call__(self, x, cache, batch):
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     tp = self.tensor_parallel
-    h, cache = Attention(c, self.layer, tp, name="self_attn")(
-        RMSNorm(c.norm_eps, dtype, name="input_layernorm")(x), cache, batch)
-    x = x + h
-    x = x + MLP(c, tp, name="mlp")(RMSNorm(c.norm_eps, dtype, name="post_attention_layernorm")(x))
+    # Each block adds to the residual stream; its RMSNorm is applied by its products.
+    x, cache = Attention(c, self.layer, tp, name="self_attn")(
+        x, cache, batch, (NormScale(dtype, name="input_layernorm")(c.d_model), c.norm_eps))
+    x = MLP(c, tp, name="mlp")(
+        x, (NormScale(dtype, name="post_attention_layernorm")(c.d_model), c.norm_eps))
     return x, cache
 
 
@@ -206,7 +219,8 @@ class Llama(nn.Module):
     x = sharding.constrain(embed(batch.token_ids), tp, "replicated")
     for layer in range(c.num_layers):
       x, cache = DecoderLayer(c, layer, tp, name=f"layers_{layer}")(x, cache, batch)
-    x = RMSNorm(c.norm_eps, dtype, name="norm")(x[batch.logits_indices])
+    x = cpu_linear.rms_norm(x[batch.logits_indices], NormScale(dtype, name="norm")(c.d_model),
+                            c.norm_eps)
     logits = (embed.attend(x) if c.tie_embeddings else Products(c, tp).project(
         x, [Weight(c.vocab_size, dtype, name="lm_head")(c.d_model)])[0])
     # Each device scores its slice of the vocabulary; the sampler gets whole logits on

@@ -258,3 +258,32 @@ def test_long_prompts_at_high_precision_keep_the_tokens_of_fp32():
       chunk_size=512, num_pages=160, linear_impl="cpu", matmul_precision=precision), prompts, 12)
       for precision in ("high", "highest")}
   assert tokens["high"] == tokens["highest"]
+
+
+@pytest.mark.parametrize("rows", [64, 200])  # fp32 kernel (XLA norm and add); AMX (fused)
+def test_the_norm_and_the_residual_are_those_of_xla(rows):
+  if rows > linear.MAX_ROWS:
+    _need_amx()
+  rng = np.random.default_rng(rows)
+  x = jnp.asarray(rng.standard_normal((rows, 96)) * 3, jnp.float32)
+  scale = jnp.asarray(rng.uniform(0.5, 1.5, 96), jnp.float32)
+  residual = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+  w, gate, up = (jnp.asarray(rng.standard_normal((96, 64)) * 0.1, jnp.float32)
+                 for _ in range(3))
+  norm = (scale, 1e-5)
+
+  def fused(x, scale, residual, w, gate, up):
+    (out,) = linear.project(x, [w], "high", norm=(scale, 1e-5), residual=residual)
+    return out, linear.swiglu(x, gate, up, "high", norm=(scale, 1e-5))
+
+  got_out, got_mlp = jax.jit(fused)(x, scale, residual, w, gate, up)
+  h = np.asarray(linear.rms_norm(x, *norm), np.float64)
+  assert not np.allclose(h, np.asarray(x))  # the norm does something here
+  want_out = np.asarray(residual, np.float64) + h @ np.asarray(w, np.float64)
+  g, u = h @ np.asarray(gate, np.float64), h @ np.asarray(up, np.float64)
+  want_mlp = g / (1 + np.exp(-g)) * u
+  np.testing.assert_allclose(np.asarray(got_out), want_out, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(got_mlp), want_mlp, rtol=1e-4, atol=1e-4)
+  text = jax.jit(fused).lower(x, scale, residual, w, gate, up).compile().as_text()
+  # On AMX the norm and the add happen in the kernels: no reduction left to XLA.
+  assert (" reduce(" in text) == (rows <= linear.MAX_ROWS)

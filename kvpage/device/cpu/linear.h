@@ -5,7 +5,10 @@
 // multiple of 32): the projections that read the same input (q, k and v; gate and up)
 // in one call, so the input is read, and on AMX split, once. Plain calls return one
 // result per weight, x @ w_i. SwiGLU calls take two weights of one shape and return
-// silu(x @ w_gate) * (x @ w_up), so neither product is ever written out.
+// silu(x @ w_gate) * (x @ w_up), so neither product is ever written out. The AMX
+// kernels also take the RMSNorm before the products (x's rows normalized and scaled as
+// they are split) and the residual added to a single product, so neither is a pass of
+// its own.
 
 #ifndef KVPAGE_DEVICE_CPU_LINEAR_H_
 #define KVPAGE_DEVICE_CPU_LINEAR_H_
@@ -31,12 +34,19 @@ struct Products {
   const float* x;
   int64_t rows, inner;
   std::vector<Weight> weights;
+  // Optional (AMX kernels): x's rows RMS-normalized and scaled by `norm_scale` [inner]
+  // before the products; `residual` [rows, N] added to a single product's result.
+  const float* norm_scale = nullptr;
+  float norm_eps = 0.0f;
+  const float* residual = nullptr;
 };
 
-// Checks a call's operands; fills `products`.
+// Checks a call's operands; fills `products`. With `norm` (`residual`), the first
+// remaining argument (the next) is the norm's scale (the residual), then the weights.
 inline ffi::Error ParseProducts(const char* kernel, bool swiglu, ffi::Buffer<ffi::F32> x,
-                                ffi::RemainingArgs weights, ffi::RemainingRets results,
-                                Products* products) {
+                                ffi::RemainingArgs args, ffi::RemainingRets results,
+                                Products* products, bool norm = false, float norm_eps = 0.0f,
+                                bool residual = false) {
   auto fail = [&](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(kernel) + ": " + what);
   };
@@ -46,14 +56,31 @@ inline ffi::Error ParseProducts(const char* kernel, bool swiglu, ffi::Buffer<ffi
   products->rows = x_dims[0];
   products->inner = x_dims[1];
   products->weights.clear();
-  if (weights.size() == 0) return fail("no weights");
-  if (swiglu ? weights.size() != 2 || results.size() != 1
-             : results.size() != weights.size()) {
-    return fail(swiglu ? "SwiGLU takes two weights (gate, up) and gives one result"
-                       : "one result per weight");
+  const size_t first = (norm ? 1 : 0) + (residual ? 1 : 0);  // the first weight's index
+  if (args.size() <= first) return fail("no weights");
+  const size_t num_weights = args.size() - first;
+  if (swiglu ? num_weights != 2 || results.size() != 1 || residual
+             : results.size() != num_weights || (residual && num_weights != 1)) {
+    return fail(swiglu ? "SwiGLU takes two weights (gate, up), gives one result and adds "
+                         "no residual"
+                       : "one result per weight, and a residual only to a single one");
   }
-  for (size_t i = 0; i < weights.size(); ++i) {
-    auto w = weights.get<ffi::Buffer<ffi::F32>>(i);
+  if (norm) {
+    auto scale = args.get<ffi::Buffer<ffi::F32>>(0);
+    if (!scale.has_value() || scale->dimensions().size() != 1 ||
+        scale->dimensions()[0] != products->inner) {
+      return fail("the norm's scale must be f32[inner]");
+    }
+    products->norm_scale = scale->typed_data();
+    products->norm_eps = norm_eps;
+  }
+  if (residual) {
+    auto add = args.get<ffi::Buffer<ffi::F32>>(norm ? 1 : 0);
+    if (!add.has_value()) return fail("the residual must be f32[rows, N]");
+    products->residual = add->typed_data();
+  }
+  for (size_t i = 0; i < num_weights; ++i) {
+    auto w = args.get<ffi::Buffer<ffi::F32>>(first + i);
     auto out = results.get<ffi::Buffer<ffi::F32>>(swiglu ? 0 : i);
     if (!w.has_value() || !out.has_value()) return fail("operands must be f32");
     const auto w_dims = w->dimensions(), out_dims = (*out)->dimensions();
@@ -65,6 +92,13 @@ inline ffi::Error ParseProducts(const char* kernel, bool swiglu, ffi::Buffer<ffi
       return fail("each result must be [rows, N]");
     }
     products->weights.push_back({w->typed_data(), w_dims[1], (*out)->typed_data()});
+  }
+  if (residual) {
+    const auto dims = args.get<ffi::Buffer<ffi::F32>>(norm ? 1 : 0)->dimensions();
+    if (dims.size() != 2 || dims[0] != products->rows ||
+        dims[1] != products->weights[0].columns) {
+      return fail("the residual must be f32[rows, N]");
+    }
   }
   return ffi::Error::Success();
 }

@@ -26,6 +26,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvpage.device import cpu
 
@@ -75,9 +76,18 @@ def _kernel(x: jax.Array, weights: Sequence[jax.Array], precision: Any,
 
 
 def _call(name: str, x: jax.Array, weights: Sequence[jax.Array], rows: int,
-          columns: Sequence[int]) -> list[jax.Array]:
+          columns: Sequence[int], norm: tuple[jax.Array, float] | None = None,
+          residual: jax.Array | None = None) -> list[jax.Array]:
   results = [jax.ShapeDtypeStruct((rows, n), x.dtype) for n in columns]
-  outs = jax.ffi.ffi_call(name, results)(x.reshape(rows, x.shape[-1]), *weights)
+  extras, attributes = [], {}
+  if name.endswith("_bf16x3"):  # the AMX kernels take the norm and the residual
+    extras = ([norm[0]] if norm else []) + ([residual.reshape(rows, -1)]
+                                            if residual is not None else [])
+    attributes = dict(norm=np.int64(norm is not None),
+                      norm_eps=np.float32(norm[1] if norm else 0.0),
+                      residual=np.int64(residual is not None))
+  outs = jax.ffi.ffi_call(name, results)(x.reshape(rows, x.shape[-1]), *extras, *weights,
+                                         **attributes)
   return [out.reshape(*x.shape[:-1], n) for out, n in zip(outs, columns)]
 
 
@@ -85,26 +95,47 @@ def _xla(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
   return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
 
 
-def project(x: jax.Array, weights: Sequence[jax.Array], precision: Any = None
-            ) -> list[jax.Array]:
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """Llama's RMSNorm (`models.llama`), computed in fp32: what `project`'s `norm` does."""
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return scale * normed.astype(x.dtype)
+
+
+def project(x: jax.Array, weights: Sequence[jax.Array], precision: Any = None, *,
+            norm: tuple[jax.Array, float] | None = None,
+            residual: jax.Array | None = None) -> list[jax.Array]:
   """`[x @ w for w in weights]` for `x` [..., K] and each `w` [K, N_i]: in one kernel
-  call where one kernel takes them all, else each on XLA at `precision`."""
+  call where one kernel takes them all, else each on XLA at `precision`. With `norm`
+  (scale, eps), `x` is `rms_norm`ed first; `residual` is added to the one result. The
+  AMX kernel does both as it goes; elsewhere they are XLA passes of their own."""
+  if residual is not None and len(weights) != 1:
+    raise ValueError(f"a residual goes with one weight, got {len(weights)}")
   chosen = _kernel(x, weights, precision, swiglu=False)
+  fused = chosen is not None and chosen[0].endswith("_bf16x3")
+  if norm is not None and not fused:
+    x, norm = rms_norm(x, *norm), None
   if chosen is None:
-    return [_xla(x, w, precision) for w in weights]
-  name, rows = chosen
-  return _call(name, x, weights, rows, [w.shape[1] for w in weights])
+    outs = [_xla(x, w, precision) for w in weights]
+  else:
+    outs = _call(chosen[0], x, weights, chosen[1], [w.shape[1] for w in weights], norm,
+                 residual if fused else None)
+  if residual is not None and not fused:
+    outs = [residual + outs[0]]
+  return outs
 
 
-def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-           precision: Any = None) -> jax.Array:
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, precision: Any = None, *,
+           norm: tuple[jax.Array, float] | None = None) -> jax.Array:
   """`silu(x @ w_gate) * (x @ w_up)`: in one kernel call where one runs (the products
-  never leave it), else on XLA at `precision`."""
+  never leave it), else on XLA at `precision`; `norm` as in `project`."""
   chosen = _kernel(x, (w_gate, w_up), precision, swiglu=True)
+  if norm is not None and not (chosen is not None and chosen[0].endswith("_bf16x3")):
+    x, norm = rms_norm(x, *norm), None
   if chosen is None:
     return jax.nn.silu(_xla(x, w_gate, precision)) * _xla(x, w_up, precision)
   name, rows = chosen
-  return _call(name, x, (w_gate, w_up), rows, [w_gate.shape[1]])[0]
+  return _call(name, x, (w_gate, w_up), rows, [w_gate.shape[1]], norm)[0]
 
 
 def linear(x: jax.Array, w: jax.Array, precision: Any = None) -> jax.Array:

@@ -19,6 +19,7 @@
 // weights; SwiGLU).
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <utility>
@@ -60,10 +61,24 @@ void Chunk(const kvpage::Products& p, int64_t steps, const std::vector<uint16_t*
   uint16_t* high = parts.data();
   uint16_t* low = high + kChunkRows * width;
   for (int64_t r = 0; r < padded_rows; ++r) {
+    const float* row = p.x + (row0 + r) * p.inner;
+    // RMSNorm: x * rsqrt(mean(x^2) + eps), times the scale.
+    float inverse = 1.0f;
+    if (p.norm_scale != nullptr && r < rows) {
+      __m512 squares = _mm512_setzero_ps();
+      for (int64_t k = 0; k < p.inner; k += 16) {
+        const __m512 value = LoadPartial(row + k, p.inner - k);
+        squares = _mm512_fmadd_ps(value, value, squares);
+      }
+      inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / p.inner + p.norm_eps);
+    }
     for (int64_t k = 0; k < width; k += 16) {
-      const __m512 value = r < rows && k < p.inner
-                               ? LoadPartial(p.x + (row0 + r) * p.inner + k, p.inner - k)
-                               : _mm512_setzero_ps();
+      __m512 value = r < rows && k < p.inner ? LoadPartial(row + k, p.inner - k)
+                                             : _mm512_setzero_ps();
+      if (p.norm_scale != nullptr && k < p.inner) {
+        value = _mm512_mul_ps(LoadPartial(p.norm_scale + k, p.inner - k),
+                              _mm512_mul_ps(value, _mm512_set1_ps(inverse)));
+      }
       __m256i h, l;
       Split(value, &h, &l);
       _mm256_storeu_si256((__m256i*)(high + r * width + k), h);
@@ -94,6 +109,16 @@ void Chunk(const kvpage::Products& p, int64_t steps, const std::vector<uint16_t*
                                 kvpage::Load(up + row * kBlock + c));
             }
           }
+        } else if (p.residual != nullptr) {
+          Block(x_high, x_low, width, steps, w_block, gate, kBlock);
+          const float* add = p.residual + (row0 + r) * w.columns + block * kBlock;
+          for (int64_t row = 0; row < valid; ++row) {
+            for (int64_t c = 0; c < kBlock; c += 16) {
+              kvpage::Store(place + row * w.columns + c,
+                            kvpage::Load(add + row * w.columns + c) +
+                                kvpage::Load(gate + row * kBlock + c));
+            }
+          }
         } else if (valid == kBlock) {
           Block(x_high, x_low, width, steps, w_block, place, w.columns);
         } else {
@@ -109,11 +134,13 @@ void Chunk(const kvpage::Products& p, int64_t steps, const std::vector<uint16_t*
 }
 
 template <bool kSwiglu>
-ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
-                        ffi::RemainingRets results) {
+ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
+                        ffi::RemainingRets results, int64_t norm, float norm_eps,
+                        int64_t residual) {
   kvpage::Products p;
   if (ffi::Error error = kvpage::ParseProducts(kSwiglu ? "swiglu_bf16x3" : "linear_bf16x3",
-                                               kSwiglu, x, weights, results, &p);
+                                               kSwiglu, x, args, results, &p, norm != 0,
+                                               norm_eps, residual != 0);
       error.failure()) {
     return error;
   }
@@ -148,7 +175,8 @@ ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
 #else  // no AMX in this build's target CPU
 
 template <bool kSwiglu>
-ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32>, ffi::RemainingArgs, ffi::RemainingRets) {
+ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32>, ffi::RemainingArgs, ffi::RemainingRets, int64_t,
+                        float, int64_t) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
                     "linear_bf16x3: built for a CPU without AMX");
 }
@@ -167,8 +195,16 @@ extern "C" int KvpageAmxAvailable() {
 #endif
 }
 
-#define KVPAGE_LINEAR_BINDING \
-  ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets()
+// x, [norm scale], [residual], weights...; results; whether there is a norm (and its
+// epsilon) and a residual.
+#define KVPAGE_LINEAR_BINDING                                                          \
+  ffi::Ffi::Bind()                                                                     \
+      .Arg<ffi::Buffer<ffi::F32>>()                                                    \
+      .RemainingArgs()                                                                 \
+      .RemainingRets()                                                                 \
+      .Attr<int64_t>("norm")                                                           \
+      .Attr<float>("norm_eps")                                                         \
+      .Attr<int64_t>("residual")
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinearBf16x3, LinearBf16x3<false>, KVPAGE_LINEAR_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageSwigluBf16x3, LinearBf16x3<true>, KVPAGE_LINEAR_BINDING);
