@@ -12,8 +12,11 @@ tables with `kvpage.device.attention.attention`, naming `config.attention_impl` 
 its `ATTENTION_IMPLS`) and whether the batch is decode-only; which implementation runs,
 and how it is called, is the attention package's business. Only the rows that sample
 (`logits_indices`) go through the LM head. `config.linear_impl` (one of `LINEAR_IMPLS`)
-says who computes the projections and the MLP: XLA, or on `cpu`, kvpage's kernel for
-products of few rows (`kvpage.device.cpu.linear`) where it runs, XLA elsewhere.
+says who computes the projections and the MLP (`Products`): XLA, or on `cpu`, kvpage's
+kernels (`kvpage.device.cpu.linear`) where they run, XLA elsewhere; at
+`config.matmul_precision` (one of `MATMUL_PRECISIONS`). Each block takes the residual
+stream and its norm's scale and returns the stream with its output added, so a kernel
+can apply the norm and add the residual itself.
 """
 
 from typing import Any
