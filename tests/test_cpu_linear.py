@@ -145,10 +145,11 @@ def test_the_decode_step_runs_its_products_on_the_kernel():
   assert text.count('custom_call_target="kvpage_swiglu"') == model.num_layers
 
 
-def test_unknown_linear_impl_is_refused():
+@pytest.mark.parametrize("key,value", [("linear_impl", "blas"), ("matmul_precision", "fast")])
+def test_an_unknown_choice_is_refused(key, value):
   model = tiny_config.get_config().model
-  model.linear_impl = "blas"
-  with pytest.raises(ValueError, match="linear_impl 'blas'"):
+  model[key] = value
+  with pytest.raises(ValueError, match=f"{key} '{value}'"):
     llama.random_init(model, seed=0)
 
 
@@ -241,13 +242,6 @@ def test_a_prefill_step_at_high_precision_runs_its_products_on_amx(precision):
   # and attention's prompt chunks (head_dim 64) on AMX too
   assert text.count('custom_call_target="kvpage_paged_prefill_bf16x3"') == model.num_layers * amx
   assert text.count('custom_call_target="kvpage_paged_prefill"') == model.num_layers * (1 - amx)
-
-
-def test_unknown_matmul_precision_is_refused():
-  model = tiny_config.get_config().model
-  model.matmul_precision = "fast"
-  with pytest.raises(ValueError, match="matmul_precision 'fast'"):
-    llama.random_init(model, seed=0)
 
 
 def test_long_prompts_at_high_precision_keep_the_tokens_of_fp32():
