@@ -115,7 +115,7 @@ def run_choices(model_config) -> str:
 
 def load_kvpage(config, directory: pathlib.Path):
   """The checkpoint's model section and params into `config` (returns the params),
-  keeping the config's name and its attention and linear implementations, which the
+  keeping the config's name and its run choices (`models.llama.RUN_CHOICES`), which the
   checkpoint's `config.json` does not carry."""
   name, chosen = config.model.name, config.model
   config.model, params = hf.load(directory)

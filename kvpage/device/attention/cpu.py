@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpage.device import cpu
-from kvpage.device.cpu import status
+from kvpage.device.cpu import bf16x3, status
 
 # Query heads per KV head the decode kernel takes (paged_attention.cc's kMaxGroup).
 MAX_GROUP = 16
@@ -100,7 +99,7 @@ def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tab
     raise ValueError(f"the CPU prefill kernel does not run here ({status()}; backend "
                      f"{jax.default_backend()}, q {q.dtype}{list(q.shape)}, cache "
                      f"{k_cache.dtype}{list(k_cache.shape)})")
-  name = ("kvpage_paged_prefill_bf16x3" if cpu.bf16x3(precision) and q.shape[-1] % 32 == 0
+  name = ("kvpage_paged_prefill_bf16x3" if bf16x3(precision) and q.shape[-1] % 32 == 0
           else "kvpage_paged_prefill")
   call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, jnp.float32))
   return call(q, k_cache, v_cache, page_tables.astype(jnp.int32),

@@ -33,6 +33,7 @@ using kvpage::Store;
 using kvpage::Workers;
 
 constexpr int64_t kPanel = 2 * kLanes;  // result columns a task computes
+static_assert(kPanel == kvpage::kColumnBlock, "weights come in whole panels (linear.h)");
 constexpr int64_t kChunkRows = 64;      // result rows a task computes, at most
 constexpr int kBlockRows = 8;           // rows a micro-kernel holds
 

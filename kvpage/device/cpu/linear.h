@@ -74,8 +74,8 @@ inline ffi::Error ParseProducts(const char* kernel, bool swiglu, ffi::Buffer<ffi
     products->norm_scale = scale->typed_data();
     products->norm_eps = norm_eps;
   }
+  auto add = args.get<ffi::Buffer<ffi::F32>>(norm ? 1 : 0);  // the residual, if any
   if (residual) {
-    auto add = args.get<ffi::Buffer<ffi::F32>>(norm ? 1 : 0);
     if (!add.has_value()) return fail("the residual must be f32[rows, N]");
     products->residual = add->typed_data();
   }
@@ -94,7 +94,7 @@ inline ffi::Error ParseProducts(const char* kernel, bool swiglu, ffi::Buffer<ffi
     products->weights.push_back({w->typed_data(), w_dims[1], (*out)->typed_data()});
   }
   if (residual) {
-    const auto dims = args.get<ffi::Buffer<ffi::F32>>(norm ? 1 : 0)->dimensions();
+    const auto dims = add->dimensions();
     if (dims.size() != 2 || dims[0] != products->rows ||
         dims[1] != products->weights[0].columns) {
       return fail("the residual must be f32[rows, N]");

@@ -30,7 +30,6 @@
 #include "linear.h"
 #include "xla/ffi/api/ffi.h"
 
-
 namespace ffi = xla::ffi;
 
 namespace {
@@ -197,7 +196,7 @@ extern "C" int KvpageAmxAvailable() {
 
 // x, [norm scale], [residual], weights...; results; whether there is a norm (and its
 // epsilon) and a residual.
-#define KVPAGE_LINEAR_BINDING                                                          \
+#define KVPAGE_AMX_LINEAR_BINDING                                                          \
   ffi::Ffi::Bind()                                                                     \
       .Arg<ffi::Buffer<ffi::F32>>()                                                    \
       .RemainingArgs()                                                                 \
@@ -206,5 +205,7 @@ extern "C" int KvpageAmxAvailable() {
       .Attr<float>("norm_eps")                                                         \
       .Attr<int64_t>("residual")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinearBf16x3, LinearBf16x3<false>, KVPAGE_LINEAR_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageSwigluBf16x3, LinearBf16x3<true>, KVPAGE_LINEAR_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinearBf16x3, LinearBf16x3<false>,
+                              KVPAGE_AMX_LINEAR_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageSwigluBf16x3, LinearBf16x3<true>,
+                              KVPAGE_AMX_LINEAR_BINDING);

@@ -437,13 +437,17 @@ constexpr int64_t kAmxTileKeys = 64;  // keys per softmax tile: two 32-key block
 // One sequence's keys and values for one KV head, split: K [keys][d] and V^T [d][keys],
 // keys padded with zeros to a multiple of kAmxTileKeys (`padded`).
 struct SplitContext {
-  const uint16_t *k_high, *k_low, *vt_high, *vt_low;
+  uint16_t *k_high, *k_low, *vt_high, *vt_low;
   int64_t padded;
 };
 
+// Fills `split` with the first `context` keys and values of sequence `seq`, KV head
+// `kv_head`, read through its page table.
 void SplitSequence(const PrefillProblem& p, int64_t head_dim, int64_t seq, int64_t kv_head,
-                   int64_t context, uint16_t* k_high, uint16_t* k_low, uint16_t* vt_high,
-                   uint16_t* vt_low, int64_t padded) {
+                   int64_t context, const SplitContext& split) {
+  uint16_t *k_high = split.k_high, *k_low = split.k_low;
+  uint16_t *vt_high = split.vt_high, *vt_low = split.vt_low;
+  const int64_t padded = split.padded;
   const int64_t page_floats = p.page_size * head_dim;
   const int64_t head_base = (p.layer * p.num_kv_heads + kv_head) * p.num_pages;
   const int32_t* table = p.tables + seq * p.table_width;
@@ -594,6 +598,7 @@ void AttendBlockAmx(const PrefillProblem& p, const Block& block, int64_t kv_head
   }
   _tile_release();
 }
+
 // The blocks' attention on AMX: every prompt-chunk sequence's keys and values split
 // once per KV head (one task each), then the blocks.
 ffi::Error PrefillOnAmx(const PrefillProblem& p, int64_t head_dim, int64_t num_seqs,
@@ -620,11 +625,7 @@ ffi::Error PrefillOnAmx(const PrefillProblem& p, int64_t head_dim, int64_t num_s
   };
   Workers::Run(static_cast<int64_t>(split_seqs.size()) * p.num_kv_heads, [&](int64_t task) {
     const int64_t seq = split_seqs[task / p.num_kv_heads], kv_head = task % p.num_kv_heads;
-    const SplitContext c = context(seq, kv_head);
-    SplitSequence(p, head_dim, seq, kv_head, p.context_lens[seq],
-                  const_cast<uint16_t*>(c.k_high), const_cast<uint16_t*>(c.k_low),
-                  const_cast<uint16_t*>(c.vt_high), const_cast<uint16_t*>(c.vt_low),
-                  c.padded);
+    SplitSequence(p, head_dim, seq, kv_head, p.context_lens[seq], context(seq, kv_head));
   });
   Workers::Run(static_cast<int64_t>(blocks.size()) * p.num_kv_heads, [&](int64_t task) {
     const Block& block = blocks[task / p.num_kv_heads];
