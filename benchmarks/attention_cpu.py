@@ -26,9 +26,11 @@ from ml_collections import config_flags
 
 from benchmarks import contiguous, timing
 from experiments import cli
+from kvpage import model_shape, premises
 from kvpage.device import cache as paged_cache
-from kvpage.device.attention import reference, xla
-from kvpage.sim import capacity, premises
+from kvpage.device.attention import reference
+from kvpage.device.backends.xla import attention as xla
+from kvpage.sim import capacity
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model config.")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "Batch sizes.")
@@ -105,7 +107,7 @@ def main(argv: list[str]) -> None:
 
   lengths = lognormal_lengths(_NUM_SEQS.value, _MEDIAN_LEN.value, _SIGMA.value,
                               _MAX_LEN.value, rng)
-  per_token = capacity.kv_bytes_per_token(capacity.ModelShape.from_config(model), model.dtype)
+  per_token = model_shape.kv_bytes_per_token(model_shape.ModelShape.from_config(model), model.dtype)
   frag = capacity.fragmentation(lengths.tolist(), max_len=_MAX_LEN.value,
                                 page_size=_PAGE_SIZE.value, kv_bytes_per_token=per_token)
   print(f"\nfragmentation: {len(lengths):,} sequences, lognormal(median {_MEDIAN_LEN.value}, "

@@ -46,12 +46,13 @@ import transformers
 from absl import flags
 from ml_collections import config_flags
 
-from experiments import build, cli
+from experiments import cli
 from kvpage import batch as batch_lib
+from kvpage import build, premises, sizing
+from kvpage.device import backends
 from kvpage.device import cache as paged_cache
-from kvpage.device import cpu as cpu_kernel
-from kvpage.host.request import SamplingParams
-from kvpage.sim import premises
+from kvpage.device.backends.cpu import native as cpu_kernel
+from kvpage.request import SamplingParams
 from models import hf, llama
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model dimensions.")
@@ -106,7 +107,7 @@ def save_random_checkpoint(model_config, directory: pathlib.Path) -> None:
 
 
 def run_choices(model_config) -> str:
-  """How kvpage's model runs (`models.llama.RUN_CHOICES`), for a run's header."""
+  """How kvpage's model runs (`kvpage.device.backends.RunChoices`), for a run's header."""
   m = model_config
   return (f"kvpage attention {m.attention_impl}, linear {m.linear_impl} at matmul precision "
           f"{m.get('matmul_precision', 'default')} (CPU kernels: {cpu_kernel.status()}; "
@@ -115,12 +116,12 @@ def run_choices(model_config) -> str:
 
 def load_kvpage(config, directory: pathlib.Path):
   """The checkpoint's model section and params into `config` (returns the params),
-  keeping the config's name and its run choices (`models.llama.RUN_CHOICES`), which the
+  keeping the config's name and its run choices (`kvpage.device.backends.RunChoices`), which the
   checkpoint's `config.json` does not carry."""
   name, chosen = config.model.name, config.model
   config.model, params = hf.load(directory)
   config.model.name = name
-  llama.keep_run_choices(config.model, chosen)
+  backends.RunChoices.of(chosen).write(config.model)
   return params
 
 
@@ -274,13 +275,13 @@ class HfForward(Contender):
 def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
              rng: np.random.Generator) -> dict:
   prompts = rng.integers(1, config.model.vocab_size, (batch, prompt)).tolist()
-  num_pages = build.pages_for_work(config, [prompt + output] * batch)  # as serve_bench sizes it
+  num_pages = sizing.pages_for_work(config, [prompt + output] * batch)  # as serve_bench sizes it
   modes = {"default": 1, **{f"{n}-step": n for n in map(int, _DECODE_STEPS.value)}}
   kvpage = {}
   for mode, decode_steps in modes.items():
     scheduler_config = config.scheduler.copy_and_resolve_references()  # one per engine
     scheduler_config.num_decode_steps = decode_steps
-    engine = build.llama_engine(config.model, params, scheduler_config, num_pages=num_pages,
+    engine = build.jax_engine(llama, config.model, params, scheduler_config, num_pages=num_pages,
                                 page_size=config.cache.page_size,
                                 kv_dtype=config.cache.kv_dtype)
     kvpage[mode] = KvpageContender(engine, prompts, output)
@@ -288,9 +289,9 @@ def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
   replicas = None
   if _REPLICAS.value >= 2:
     share = -(-batch // _REPLICAS.value)  # the most prompts one engine gets
-    replicas = ReplicasContender(build.llama_replicas(
+    replicas = ReplicasContender(build.jax_replicas(llama,
         config.model, params, config.scheduler, replicas=_REPLICAS.value,
-        num_pages=build.pages_for_work(config, [prompt + output] * share),
+        num_pages=sizing.pages_for_work(config, [prompt + output] * share),
         page_size=config.cache.page_size, kv_dtype=config.cache.kv_dtype), prompts, output)
   theirs = {cache: HfGenerate(hf_model, prompts, output, cache)
             for cache in ("dynamic", "static")}

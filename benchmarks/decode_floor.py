@@ -11,7 +11,7 @@ the target allows. For every cell (same weights, greedy, all prompts at once, as
   * kvpage `default` (the scheduler defaults) and HF `generate` (dynamic and static
     cache, `sdpa`; the faster is HF's figure): the matrix's own pair;
   * the same two with attention replaced by the identity (each layer's attention
-    output is its query): kvpage with `kvpage.device.attention.attention` swapped while
+    output is its query): kvpage with `kvpage.device.backends.Ops.attention` swapped while
     its engine compiles, HF with a registered `attn_implementation` that returns the
     query. Both still write the KV cache, project, run the MLPs, the LM head and the
     sampler, and pay their host work; nothing reads the cache.
@@ -32,9 +32,10 @@ import torch
 from absl import flags
 
 from benchmarks import decode_cpu, identity_attention
-from experiments import build, cli
-from kvpage.device import cpu as cpu_kernel
-from kvpage.sim import premises
+from experiments import cli
+from kvpage import build, premises, sizing
+from kvpage.device.backends.cpu import native as cpu_kernel
+from models import llama
 
 flags.FLAGS.set_default("out", "decode_floor.json")  # decode_cpu defines the shared flags
 _TARGET = flags.DEFINE_float("target", 1.6, "The ratio to HF generate's tokens/s asked for.")
@@ -43,14 +44,14 @@ _TARGET = flags.DEFINE_float("target", 1.6, "The ratio to HF generate's tokens/s
 def _engine(config, params, num_pages):
   scheduler_config = config.scheduler.copy_and_resolve_references()
   scheduler_config.num_decode_steps = 1  # the defaults a user gets
-  return build.llama_engine(config.model, params, scheduler_config, num_pages=num_pages,
+  return build.jax_engine(llama, config.model, params, scheduler_config, num_pages=num_pages,
                             page_size=config.cache.page_size, kv_dtype=config.cache.kv_dtype)
 
 
 def run_cell(config, params, hf_models, batch: int, prompt: int, output: int,
              rng: np.random.Generator, repeats: int) -> dict:
   prompts = rng.integers(1, config.model.vocab_size, (batch, prompt)).tolist()
-  num_pages = build.pages_for_work(config, [prompt + output] * batch)
+  num_pages = sizing.pages_for_work(config, [prompt + output] * batch)
   contenders = {"kvpage": decode_cpu.KvpageContender(_engine(config, params, num_pages),
                                                      prompts, output, record=False)}
   with identity_attention.in_kvpage():  # this engine compiles all its programs in warm-up

@@ -17,7 +17,7 @@ stand-in of the right shape that reads no cache. Contenders, round-robin, best o
     two Python threads at once: what two data-parallel replicas of the engine, each
     stepping half the batch, would run on this machine (ms per pair of calls);
   * `cpu kernel`: the chain as a `linear_impl='cpu'` model runs it at the default
-    precision: every product of at most `kvpage.device.cpu.linear.MAX_ROWS` rows on the
+    precision: every product of at most `kvpage.device.backends.cpu.linear.MAX_ROWS` rows on the
     C++ kernel, split over all cores (q, k and v in one call; gate and up in one call
     with their SwiGLU); larger ones on XLA;
   * `cpu high`: the same at `matmul_precision='high'` (the CPU configs' choice): larger
@@ -42,9 +42,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
-from kvpage.device import cpu
-from kvpage.device.cpu import linear as cpu_linear
-from kvpage.sim import premises
+from kvpage import premises
+from kvpage.device.backends.cpu import linear as cpu_linear
+from kvpage.device.backends.cpu import native as cpu
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "Model dimensions.")
 _ROWS = flags.DEFINE_list("rows", ["32", "64", "2048"], "Token rows per call.")
@@ -90,7 +90,7 @@ def xla_swiglu(h: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
 def jax_chain(weights: dict, x: jax.Array, group: int, project=xla_project,
               swiglu=xla_swiglu) -> jax.Array:
   """The dense layers of one step over rows `x`, products by `project` (an input by a
-  list of weights) and `swiglu`, as `kvpage.device.cpu.linear` names them; the logits."""
+  list of weights) and `swiglu`, as `kvpage.device.backends.cpu.linear` names them; the logits."""
 
   def norm(h):
     return h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + _EPS)

@@ -51,9 +51,10 @@ from ml_collections import config_flags
 
 from benchmarks.load_client import LoadConfig, arrival_times, make_prompts
 from configs import hardware as hardware_lib
-from experiments import build, cli
-from kvpage.host.request import SamplingParams
-from kvpage.sim import metrics, premises, replay, workload
+from experiments import cli
+from kvpage import build, metrics, premises
+from kvpage.request import SamplingParams
+from kvpage.sim import replay, workload
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config (random weights).")
 _NUM_REQUESTS = flags.DEFINE_integer("num_requests", 64, "Requests per round.")
@@ -62,7 +63,7 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 64, "Prompt tokens.")
 _OUTPUT_LEN = flags.DEFINE_integer("output_len", 64, "Output tokens.")
 _ROUNDS = flags.DEFINE_integer("rounds", 4, "In-process/HTTP pairs, in alternating order.")
 _SEED = flags.DEFINE_integer("seed", 0, "Workload seed.")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages; 0 = the config's.")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", None, "Shortcut for --config.cache.num_pages.")
 _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
                               "The real model, or a simulated GPU in real time (paced).")
 _HARDWARE = flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
@@ -162,7 +163,9 @@ def main(argv: list[str]) -> None:
   # shortcuts do not travel), so it builds the same engine with the same weights.
   config_file = config_flags.get_config_filename(flags.FLAGS["config"])
   hardware = _HARDWARE.value or config.hardware
-  shared = [f"--config={config_file}", f"--num_pages={_NUM_PAGES.value}",
+  if _NUM_PAGES.value is not None:
+    config.cache.num_pages = _NUM_PAGES.value
+  shared = [f"--config={config_file}", f"--num_pages={config.cache.num_pages}",
             f"--executor={_EXECUTOR.value}", f"--hardware={hardware}",
             f"--compilation_cache={_COMPILATION_CACHE.value}",
             *(f"--{name}={holder.value}" for name, holder in _SCHEDULER_FLAGS.items()
@@ -172,9 +175,8 @@ def main(argv: list[str]) -> None:
     if engine_cores is not None:  # before jax starts its threads
       os.sched_setaffinity(0, engine_cores)
     cli.enable_compilation_cache(_COMPILATION_CACHE.value)
-    setup = build.serving_engine(config, executor=_EXECUTOR.value,
-                                 hardware=hardware_lib.get_hardware(hardware),
-                                 num_pages=_NUM_PAGES.value, paced=True)
+    setup = cli.serving_engine(config, executor=_EXECUTOR.value,
+                               hardware=hardware_lib.get_hardware(hardware), paced=True)
     scheduler_config = setup.config.scheduler
     setup.engine.executor.warmup(scheduler_config.max_num_seqs,
                                  scheduler_config.max_num_batched_tokens,

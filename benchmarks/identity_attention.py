@@ -9,7 +9,7 @@ logits agree. No flags here, so tests can import it.
 import contextlib
 from collections.abc import Iterator
 
-from kvpage.device import attention as attention_lib
+from kvpage.device import backends
 
 HF_NAME = "kvpage_identity"  # the name registered with transformers' AttentionInterface
 
@@ -29,18 +29,18 @@ def register_hf() -> str:
   return HF_NAME
 
 
-def _kvpage_identity(impl, q, k_pages, v_pages, **kwargs):
-  """`kvpage.device.attention.attention`'s signature; the query comes back unchanged."""
-  del impl, k_pages, v_pages, kwargs  # Unused: nothing is attended.
+def _kvpage_identity(ops, q, k_pages, v_pages, **kwargs):
+  """`kvpage.device.backends.Ops.attention`'s signature; the query comes back unchanged."""
+  del ops, k_pages, v_pages, kwargs  # Unused: nothing is attended.
   return q
 
 
 @contextlib.contextmanager
 def in_kvpage() -> Iterator[None]:
-  """Models traced inside trace the identity for `kvpage.device.attention.attention`."""
-  original = attention_lib.attention
-  attention_lib.attention = _kvpage_identity
+  """Models traced inside trace the identity for `kvpage.device.backends.Ops.attention`."""
+  original = backends.Ops.attention
+  backends.Ops.attention = _kvpage_identity
   try:
     yield
   finally:
-    attention_lib.attention = original
+    backends.Ops.attention = original

@@ -51,12 +51,12 @@ from absl import flags
 
 from benchmarks import timing
 from experiments import cli
-from kvpage.device.attention import pallas as paged_attention
+from kvpage import premises
 from kvpage.device.attention import reference
-from kvpage.device.attention.pallas import decode as decode_attention
-from kvpage.device.attention.pallas import mosaic_decode
-from kvpage.device.attention.pallas import ragged as ragged_attention
-from kvpage.sim import premises
+from kvpage.device.backends.pallas import attention as paged_attention
+from kvpage.device.backends.pallas import decode as decode_attention
+from kvpage.device.backends.pallas import mosaic_decode
+from kvpage.device.backends.pallas import ragged as ragged_attention
 
 _OUT = flags.DEFINE_string("out", "kernel_gpu.json", "Where to write the JSON record.")
 _REPEATS = flags.DEFINE_integer("repeats", 50, "Timed calls per cell (median reported).")
@@ -321,7 +321,6 @@ def memory_against_device(interpret: bool) -> dict:
   after the planned pool and the weights are allocated (an accelerator only)."""
   from configs import hardware as hardware_lib
   from configs import tiny
-  from experiments import build  # here: it imports the model and the config tree
 
   config = tiny.get_config()
   stats = jax.devices()[0].memory_stats() or {}
@@ -329,7 +328,7 @@ def memory_against_device(interpret: bool) -> dict:
     print("  memory: this device reports no memory figures")
     return dict(note="no device memory statistics")
   config.cache.num_pages, config.cache.kv_memory_gib = 0, 0.0
-  setup = build.serving_engine(config, executor="jax",
+  setup = cli.serving_engine(config, executor="jax",
                                hardware=hardware_lib.get_hardware(config.hardware))
   after = jax.devices()[0].memory_stats()
   plan = setup.memory_plan.to_dict() if setup.memory_plan else {}

@@ -4,8 +4,8 @@ r"""The memory plan's activation reserve: measured on the real step, estimated b
 
 1. **Measured vs estimated.** For small real models on this machine's backend, the
    reserve a real run measures (XLA's buffer assignment of the compiled largest steps,
-   `experiments.build.real_memory_plan`) beside the one a simulated run estimates from
-   the same shapes (`kvpage.sim.memory_plan.step_activation_bytes`), and their ratio.
+   `kvpage.sizing.real_memory_plan`) beside the one a simulated run estimates from
+   the same shapes (`kvpage.memory_plan.step_activation_bytes`), and their ratio.
    Nothing is allocated: the programs are compiled from shapes. (On XLA:CPU a bf16
    model's steps hold more than an fp32 one's, since the CPU backend computes bf16 in
    f32 and keeps both copies; the estimate prices bf16 at 2 bytes, as a GPU holds it.)
@@ -24,8 +24,9 @@ from absl import app, flags
 
 from configs import hardware as hardware_lib
 from configs import llama2_70b, llama3_8b, llama3_70b, llama_13b, mistral_7b, small, tiny, yi_34b
-from experiments import build
-from kvpage.sim import capacity, memory_plan, premises
+from kvpage import memory_plan, model_shape, premises, sizing
+from kvpage.device import backends
+from kvpage.sim import capacity
 from models import llama
 
 _OUT = flags.DEFINE_string("out", "memory_plan.json", "Where to write the JSON record.")
@@ -49,22 +50,22 @@ def measured_case(model: dict | None, limits: dict) -> dict:
     config.cache.kv_dtype = config.model.dtype
   config.scheduler.update(limits)
   config.cache.num_pages, config.cache.kv_memory_gib = 0, 0.0
-  plan = build.real_memory_plan(config, config.model)
-  shape = capacity.ModelShape.from_config(config.model)
+  plan = sizing.real_memory_plan(llama, config, config.model)
+  shape = model_shape.ModelShape.from_config(config.model)
   estimate = max(memory_plan.step_activation_bytes(
       shape, num_tokens=tokens, num_seqs=seqs, dtype=config.model.dtype,
-      swiglu_in_one_call=llama.swiglu_in_one_call(config.model))
-      for tokens, seqs, _ in build.largest_steps(config))
+      traits=backends.traits(config.model))
+      for tokens, seqs, _ in sizing.largest_steps(config))
   return dict(model=config.model.name, dtype=config.model.dtype,
-              steps=build.largest_steps(config), measured_bytes=plan.activation_bytes,
+              steps=sizing.largest_steps(config), measured_bytes=plan.activation_bytes,
               estimated_bytes=estimate, ratio=estimate / plan.activation_bytes)
 
 
 def simulated_case(module) -> dict:
   config = module.get_config()
   hardware = hardware_lib.get_hardware(config.hardware)
-  plan = build.sim_memory_plan(config, hardware)
-  without = capacity.plan(capacity.ModelShape.from_config(config.model), seq_len=16,
+  plan = sizing.sim_memory_plan(config, hardware)
+  without = capacity.plan(model_shape.ModelShape.from_config(config.model), seq_len=16,
                           memory_bytes=hardware.memory_bytes, weight_dtype=config.model.dtype,
                           kv_dtype=config.cache.kv_dtype,
                           tensor_parallel=config.mesh.tensor_parallel)

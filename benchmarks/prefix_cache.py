@@ -29,7 +29,7 @@ from absl import app, flags
 
 from configs import llama_13b, tiny
 from experiments import serve_bench
-from kvpage.sim import premises
+from kvpage import premises
 
 _OUT = flags.DEFINE_string("out", "prefix_cache.json", "Where to write the JSON record.")
 _PREFIX = flags.DEFINE_integer("prefix_tokens", 1024, "Tokens of each shared prefix.")

@@ -33,7 +33,8 @@ from ml_collections import config_flags
 from benchmarks.retry_study import measure, sampling, setup
 from configs import hardware as hardware_lib
 from experiments import cli
-from kvpage.sim import premises, replay, workload
+from kvpage import premises
+from kvpage.sim import replay, workload
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/llama_13b.py", "Model config.")
 _HARDWARE = flags.DEFINE_string("hardware", "a100_80gb", "Simulated device.")

@@ -13,9 +13,9 @@ study at small scale.
 import dataclasses
 import statistics
 
-from experiments import build
-from kvpage.host.admission import Admission
-from kvpage.host.request import Request, SamplingParams
+from experiments import cli
+from kvpage.interface import Admission
+from kvpage.request import Request, SamplingParams
 from kvpage.sim import replay, workload
 
 
@@ -33,7 +33,8 @@ class Rejection:
 
 
 def setup(config, hardware, num_pages: int = 0):
-  return build.serving_engine(config, executor="sim", hardware=hardware, num_pages=num_pages)
+  config.cache.num_pages = num_pages  # 0: the hardware's memory plan
+  return cli.serving_engine(config, executor="sim", hardware=hardware)
 
 
 def sampling(item: workload.TraceRequest) -> SamplingParams:

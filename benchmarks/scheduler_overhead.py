@@ -25,9 +25,9 @@ from absl import flags
 from ml_collections import config_flags
 
 from experiments import cli
-from kvpage.host.request import Request, SamplingParams
+from kvpage import premises as environment
 from kvpage.host.scheduler import Scheduler
-from kvpage.sim import premises as environment
+from kvpage.request import Request, SamplingParams
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", "configs/tiny.py", "Config file; its `scheduler` section holds the knobs.")

@@ -34,7 +34,7 @@ import tempfile
 
 from absl import app, flags
 
-from kvpage.sim import premises
+from kvpage import premises
 
 _CONFIG = flags.DEFINE_string("config", "configs/tiny.py", "The model that runs (file).")
 _WORKLOAD_A = flags.DEFINE_list(

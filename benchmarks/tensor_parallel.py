@@ -34,10 +34,10 @@ from absl import app, flags
 from benchmarks import timing
 from configs import hardware as hardware_lib
 from configs import llama2_70b, llama_13b
-from experiments import build, cli
+from experiments import cli
 from kvpage import batch as batch_lib
+from kvpage import build, model_shape, premises, sizing
 from kvpage.device import sharding
-from kvpage.sim import capacity, premises
 from models import llama
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model for the real part.")
@@ -89,7 +89,7 @@ def real_case(config, tensor_parallel: int) -> dict:
   num_pages = 2 + max(_BATCH.value * -(-_CONTEXT.value // page_size),
                       -(-_PREFILL.value // page_size) + 4)
   params = llama.random_init(model, config.seed)
-  engine = build.llama_engine(model, params, config.scheduler, num_pages=num_pages,
+  engine = build.jax_engine(llama, model, params, config.scheduler, num_pages=num_pages,
                               page_size=page_size, tensor_parallel=tensor_parallel)
   executor = engine.executor
   width = -(-max(_CONTEXT.value, _PREFILL.value) // page_size)
@@ -119,9 +119,9 @@ def simulated_case(module, tensor_parallel: int) -> dict:
   batch, context = SIM_DECODE
   decode = step_model.step_cost([(1, context)] * batch)
   prefill = step_model.step_cost([(SIM_PREFILL, SIM_PREFILL)])
-  shape = capacity.ModelShape.from_config(config.model)
+  shape = model_shape.ModelShape.from_config(config.model)
   try:
-    pages = build.sim_memory_plan(config, hardware).num_pages
+    pages = sizing.sim_memory_plan(config, hardware).num_pages
   except ValueError:  # the weights alone overflow one device: no KV pool at all
     pages = 0
   return dict(model=config.model.name, hardware=hardware.name, rates=source,
@@ -129,9 +129,9 @@ def simulated_case(module, tensor_parallel: int) -> dict:
               decode_ms=1e3 * decode.seconds, prefill_ms=1e3 * prefill.seconds,
               decode_parts_ms={k: 1e3 * v for k, v in decode.parts.items()},
               prefill_parts_ms={k: 1e3 * v for k, v in prefill.parts.items()},
-              weight_bytes_per_device=-(-capacity.weight_bytes(shape, config.model.dtype)
+              weight_bytes_per_device=-(-model_shape.weight_bytes(shape, config.model.dtype)
                                         // tensor_parallel),
-              kv_heads_per_device=capacity.kv_heads_per_device(shape, tensor_parallel),
+              kv_heads_per_device=model_shape.kv_heads_per_device(shape, tensor_parallel),
               kv_pages_per_device=pages)  # 0: the model does not fit
 
 

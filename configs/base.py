@@ -15,8 +15,8 @@ Later sections (scheduler, engine) are added by the modules that own them.
 import ml_collections
 
 from configs import model_table, scheduler
-from kvpage import units
-from kvpage.sim import capacity, memory_plan
+from kvpage import memory_plan, model_shape, units
+from kvpage.device import backends
 
 DTYPES = tuple(units.DTYPES)
 
@@ -34,9 +34,8 @@ def model_config(name: str, dtype: str) -> ml_collections.ConfigDict:
       dict(enabled=False, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
            original_max_seq_len=8192)
   )
-  config.attention_impl = "xla"  # kvpage.device.attention.ATTENTION_IMPLS
-  config.linear_impl = "xla"  # models.llama.LINEAR_IMPLS
-  config.matmul_precision = "default"  # models.llama.MATMUL_PRECISIONS
+  # The run choices: which backends compute the model's ops (kvpage.device.backends).
+  backends.RunChoices().write(config)
   return config
 
 
@@ -57,7 +56,7 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # A real run's KV pool: `num_pages` when set, else as many pages as `kv_memory_gib`
   # holds (4 GiB is vLLM's CPU default KV space), else (`kv_memory_gib=0`, as on a GPU)
   # the memory plan: `memory_utilization` of the device, less the weights and the
-  # largest step's activations (`experiments.build.real_pool_pages`). A simulated run's
+  # largest step's activations (`kvpage.sizing.real_pool_pages`). A simulated run's
   # pool is always the plan's, on the hardware entry's memory (`sim_memory_plan`).
   # `prefix_caching`: full pages of computed tokens are named and shared by later
   # requests with the same prefix (kvpage.host.prefix_cache), on by default as in vLLM.
@@ -114,6 +113,10 @@ def check_model(model, where: str = "model") -> None:
       raise ValueError(f"{where}.rope_scaling needs low_freq_factor < high_freq_factor")
     _positive_int(f"{where}.rope_scaling.original_max_seq_len",
                   scaling.get("original_max_seq_len"))
+  try:
+    backends.check(model)
+  except ValueError as error:
+    raise ValueError(f"{where}.{error}") from None
 
 
 def check(config) -> None:
@@ -123,7 +126,7 @@ def check(config) -> None:
   mesh = config.get("mesh")
   if mesh is not None:
     _positive_int("mesh.tensor_parallel", mesh.get("tensor_parallel"))
-    capacity.check_tensor_parallel(capacity.ModelShape.from_config(config.model),
+    model_shape.check_tensor_parallel(model_shape.ModelShape.from_config(config.model),
                                    mesh.tensor_parallel)
   cache = config.cache
   _positive_int("cache.page_size", cache.get("page_size"))

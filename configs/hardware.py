@@ -11,7 +11,12 @@ are templates, to be re-decided from measurements, not truths. An entry that nam
 on published or local step times) is priced by that file's rates instead.
 """
 
+import pathlib
+
 from kvpage.sim.hardware import HardwareSpec
+
+# The calibration files the entries name (`kvpage.build.step_rates(calibrations=...)`).
+CALIBRATIONS = pathlib.Path(__file__).parent / "calibrations"
 
 _MIB = 2**20
 

@@ -48,8 +48,9 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       preemption_mode="recompute",  # recompute | swap | abort
       num_host_pages=0,  # host swap pool; Scheduler(num_host_pages=...) overrides it
       # Async scheduling (vLLM's --async-scheduling): schedule and launch step N+1 while
-      # step N runs, so host work hides behind the device. Real runs only: a simulated
-      # GPU runs on virtual time, with no host work to hide.
+      # step N runs, so host work hides behind the device. The simulator honours it too:
+      # its device queues each launched step behind the one in flight, so a request
+      # arriving during step N joins step N+2 there as on a real device.
       async_scheduling=True,
       # Multi-step decoding (vLLM's multi-step scheduling, --num-scheduler-steps): when a
       # step is all decodes and nothing waits to join, run this many decode iterations

@@ -28,7 +28,8 @@ from absl import flags
 
 from configs import base as configs_check
 from configs import hardware as hardware_lib
-from experiments import build, cli
+from experiments import cli
+from kvpage import build
 from kvpage.sim import calibration, step_model
 from kvpage.sim.step_model import StepModel, StepRates
 

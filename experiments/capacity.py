@@ -20,7 +20,7 @@ from absl import flags
 from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import cli
-from kvpage import units
+from kvpage import model_shape, units
 from kvpage.sim import capacity, workload
 
 _CONFIG = cli.define_config("configs/llama_13b.py",
@@ -62,9 +62,9 @@ def build_plans(config, hardware: hardware_lib.HardwareSpec, *, seq_len: int, dt
                 kv_dtype: str, page_size: int, unit: str, memory_gb: float | None,
                 weights_gb: float | None, reserve_gb: float) -> dict[str, capacity.CapacityPlan]:
   """The `nominal`, `exact` and (with overrides) `given` plans, keyed by name."""
-  model = capacity.ModelShape.from_config(config.model)
+  model = model_shape.ModelShape.from_config(config.model)
   reserve = _to_bytes(reserve_gb, unit, "reserve_gb")
-  exact_weights = capacity.weight_bytes(model, dtype)
+  exact_weights = model_shape.weight_bytes(model, dtype)
   common = dict(seq_len=seq_len, weight_dtype=dtype, kv_dtype=kv_dtype, page_size=page_size,
                 reserve_bytes=reserve, tensor_parallel=config.mesh.tensor_parallel)
   plans = {

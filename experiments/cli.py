@@ -22,6 +22,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from absl import app, flags
 
@@ -305,3 +306,47 @@ def run(main: Callable[[list[str]], None]) -> None:
       sys.exit(USAGE_ERROR)
 
   app.run(lambda argv: sys.exit(_guarded(main, argv)), flags_parser=flags_parser)
+
+
+def serving_engine(config: Any, *, executor: str, hardware: Any, checkpoint: str | None = None,
+                   pages_set: bool = False, **options: Any) -> Any:
+  """`kvpage.build.serving_engine` for the experiments: the Llama model, its weights from
+  `checkpoint` when given (its model section replaces the config's, which keeps its run
+  choices and takes the checkpoint's precision for the cache), and the calibration files
+  shipped in `configs/calibrations/`.
+
+  A config file's page count (`cache.num_pages`) sizes the config's own model; with a
+  checkpoint it is dropped for the byte budget (bytes are model-independent, pages are
+  not), unless the command line set it (`pages_set`: `--num_pages`)."""
+  from configs import hardware as hardware_lib
+  from kvpage import build, sizing
+  from kvpage.device import backends
+  from models import hf, llama
+
+  params = None
+  if checkpoint:
+    model_config, params = hf.load(checkpoint)
+    sizing.check_runnable(config, model_config)
+    # How attention and the products run is the config's choice (its hardware's), not
+    # the checkpoint's.
+    backends.RunChoices.of(config.model).write(model_config)
+    config.model = model_config
+    config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
+  dropped = checkpoint and not pages_set and config.cache.num_pages
+  if dropped:
+    config.cache.num_pages = 0
+  setup = build.serving_engine(config, executor=executor, hardware=hardware, model=llama,
+                               params=params, calibrations=hardware_lib.CALIBRATIONS, **options)
+  if dropped:
+    setup.pool_reason += f" (cache.num_pages={dropped:,} sizes the config's own model)"
+  return setup
+
+
+def backends_line(record: dict) -> str:
+  """What computed the model's ops (`kvpage.device.backends.describe`), in one line."""
+  native = record.get("native")
+  native_text = "" if native is None else (
+      f"; native library {native['variant']}" if native.get("status") == "ready"
+      else f"; native library {native.get('status')}")
+  return (f"attention {record['attention']}, products {record['linear']}, precision "
+          f"{record['matmul_precision']} on {record['device']}{native_text}")

@@ -22,10 +22,11 @@ import math
 from absl import flags
 
 from configs import base as configs_check
-from experiments import build, cli
-from kvpage import units
+from experiments import cli
+from kvpage import build, sizing, units
+from kvpage.device import backends
 from kvpage.host.engine import Engine
-from kvpage.host.request import Request, SamplingParams
+from kvpage.request import Request, SamplingParams
 from models import hf, llama
 
 _CONFIG = cli.define_config("configs/tiny.py",
@@ -87,10 +88,10 @@ def main(argv: list[str]) -> None:
   configs_check.check(config)
   if _CHECKPOINT.value:
     model_config, params = hf.load(_CHECKPOINT.value)
-    llama.keep_run_choices(model_config, config.model)  # the config's choices
+    backends.RunChoices.of(config.model).write(model_config)  # the config's choices
   else:
     model_config = config.model
-  build.check_runnable(config, model_config)
+  sizing.check_runnable(config, model_config)
   if _ATTENTION.value:
     model_config.attention_impl = _ATTENTION.value
   prompts = parse_prompts(_PROMPT_IDS.value, model_config.vocab_size)
@@ -101,7 +102,7 @@ def main(argv: list[str]) -> None:
                                  page_size) for p in prompts)
   hint = "fewer or shorter prompts, or a smaller --page_size"
   if not _CHECKPOINT.value:
-    build.check_memory(model_config, num_pages=num_pages, page_size=page_size, hint=hint,
+    sizing.check_memory(model_config, num_pages=num_pages, page_size=page_size, hint=hint,
                        tensor_parallel=config.mesh.tensor_parallel)
     params = llama.random_init(model_config, config.seed)
   scheduler_config = config.scheduler
@@ -109,9 +110,9 @@ def main(argv: list[str]) -> None:
   scheduler_config.chunk_size = _CHUNK_SIZE.value
   scheduler_config.max_num_batched_tokens = max(
       scheduler_config.max_num_batched_tokens,
-      build.max_model_len(model_config, num_pages=num_pages, page_size=page_size))
+      sizing.max_model_len(model_config, num_pages=num_pages, page_size=page_size))
   scheduler_config.watermark = 0.0  # an offline batch: every prompt is meant to run
-  engine = build.llama_engine(model_config, params, scheduler_config, num_pages=num_pages,
+  engine = build.jax_engine(llama, model_config, params, scheduler_config, num_pages=num_pages,
                               page_size=page_size, memory_hint=hint,
                               tensor_parallel=config.mesh.tensor_parallel,
                               prefix_caching=config.cache.prefix_caching)

@@ -27,7 +27,7 @@ if "matplotlib.pyplot" not in sys.modules and "ipykernel" not in sys.modules:
 from matplotlib import figure as figure_lib  # (after the backend is chosen)
 from matplotlib import pyplot as plt
 
-from kvpage.sim import metrics
+from kvpage import metrics
 
 Row = Mapping[str, Any]
 

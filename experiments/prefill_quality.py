@@ -17,11 +17,11 @@ import ml_collections
 import numpy as np
 
 from configs import scheduler as scheduler_defaults
-from experiments import build
 from kvpage import batch as batch_lib
+from kvpage import sizing
 from kvpage.device import cache as paged_cache
-from kvpage.host.request import Request, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, SamplingParams
 from models import llama
 
 
@@ -53,7 +53,7 @@ def greedy_with_logits(model_config: ml_collections.ConfigDict, *, prompt_len: i
   prompt = tuple(int(t) for t in np.random.default_rng(seed).integers(
       1, model_config.vocab_size, prompt_len))
   num_pages = -(-(prompt_len + num_tokens) // page_size) + 2
-  max_len = build.max_model_len(model_config, num_pages=num_pages, page_size=page_size)
+  max_len = sizing.max_model_len(model_config, num_pages=num_pages, page_size=page_size)
   if prompt_len + num_tokens > max_len:
     raise ValueError(f"a prompt of {prompt_len} and {num_tokens} tokens exceed the model's "
                      f"{model_config.max_seq_len} positions")

@@ -22,7 +22,8 @@ from absl import flags
 
 from configs import base as configs_check
 from configs import hardware as hardware_lib
-from experiments import build, cli
+from experiments import cli
+from kvpage import build
 
 _CONFIG = cli.define_config("configs/tiny.py",
                             "Config for random weights; its scheduler and cache sections "
@@ -36,14 +37,15 @@ _PORT = flags.DEFINE_integer("port", 8000, "Port to listen on; 0 = any free port
 _MODEL_NAME = flags.DEFINE_string("served_model_name", None,
                                   "Model name clients ask for (default: the checkpoint's "
                                   "directory name, or the config's model name).")
-_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = the "
-                                  "config's cache.num_pages, else what cache.kv_memory_gib "
-                                  "holds, else (kv_memory_gib=0) the memory plan (the "
-                                  "simulator: always the plan's).")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", None, "Shortcut for --config.cache.num_pages: "
+                                  "KV pages incl. the null page; 0 = what "
+                                  "cache.kv_memory_gib holds, else (kv_memory_gib=0) the "
+                                  "memory plan (the simulator: the plan).")
 _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
                               "The real model, or a simulated GPU in real time (the step "
                               "model of --hardware, every step slept through; token ids only).")
-_HARDWARE = flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
+_HARDWARE = flags.DEFINE_string("hardware", None,
+                                "Shortcut for --config.hardware: the simulated device.")
 _MAX_QUEUE_WAIT = flags.DEFINE_float("max_queue_wait_s", None,
                                      "Default wait deadline (seconds to the first step).")
 _DRAIN_TIMEOUT = flags.DEFINE_float("drain_timeout_s", 30.0,
@@ -64,8 +66,9 @@ _SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
 def check_flags() -> None:
   if not 0 <= _PORT.value <= 65535:
     raise ValueError(f"--port must be in [0, 65535], got {_PORT.value}")
-  if _NUM_PAGES.value < 0 or _NUM_PAGES.value == 1:
-    raise ValueError(f"--num_pages must be 0 (the config's) or >= 2, got {_NUM_PAGES.value}")
+  if _NUM_PAGES.value is not None and (_NUM_PAGES.value < 0 or _NUM_PAGES.value == 1):
+    raise ValueError(f"--num_pages must be 0 (sized from memory) or >= 2, got "
+                     f"{_NUM_PAGES.value}")
   for name, value in (("max_queue_wait_s", _MAX_QUEUE_WAIT.value),
                       ("drain_timeout_s", _DRAIN_TIMEOUT.value),
                       ("status_interval_s", _STATUS_INTERVAL.value)):
@@ -86,6 +89,10 @@ def main(argv: list[str]) -> None:
   config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
   cli.initialize_processes(_PROCESSES, _EXECUTOR.value)
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
+  if _HARDWARE.value is not None:
+    config.hardware = _HARDWARE.value
+  if _NUM_PAGES.value is not None:
+    config.cache.num_pages = _NUM_PAGES.value
   configs_check.check(config)
   tokenizer, eos_ids = None, ()
   if _CHECKPOINT.value:
@@ -94,11 +101,10 @@ def main(argv: list[str]) -> None:
   cli.enable_compilation_cache(_COMPILATION_CACHE.value)
   if _CHECKPOINT.value and _EXECUTOR.value == "sim":
     raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
-  setup = build.serving_engine(config, executor=_EXECUTOR.value,
-                               hardware=hardware_lib.get_hardware(_HARDWARE.value
-                                                                  or config.hardware),
-                               checkpoint=_CHECKPOINT.value, num_pages=_NUM_PAGES.value,
-                               paced=True)
+  setup = cli.serving_engine(config, executor=_EXECUTOR.value,
+                             hardware=hardware_lib.get_hardware(config.hardware),
+                             checkpoint=_CHECKPOINT.value,
+                             pages_set=_NUM_PAGES.value is not None, paced=True)
   if tokenizer is not None and len(tokenizer) > setup.config.model.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                      f"is {setup.config.model.vocab_size}")
@@ -128,7 +134,9 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...]) 
       model_name=name, max_model_len=engine.scheduler.max_model_len,
       status_interval_s=_STATUS_INTERVAL.value, max_queue_wait_s=_MAX_QUEUE_WAIT.value,
       kv_pressure_status=int(_KV_PRESSURE_STATUS.value),
-      drain_timeout_s=_DRAIN_TIMEOUT.value, eos_token_ids=eos_ids)
+      drain_timeout_s=_DRAIN_TIMEOUT.value, eos_token_ids=eos_ids, backends=setup.backends)
+  if setup.backends:
+    print(f"kvpage serve: kernels: {cli.backends_line(setup.backends)}", flush=True)
   gateway = app_lib.Gateway(engine, server_config, tokenizer)
   server_lib.serve(gateway, host=_HOST.value, port=_PORT.value,
                    banner=f"{setup.num_pages:,} KV pages"

@@ -29,17 +29,18 @@ from absl import flags
 
 from configs import base as configs_check
 from configs import hardware as hardware_lib
-from experiments import build, cli, progress
+from experiments import cli, progress
+from kvpage import build, metrics, model_shape, premises, sizing
 from kvpage.host import scheduler_config
-from kvpage.host.request import SamplingParams
-from kvpage.sim import capacity, metrics, premises, replay, workload
-from kvpage.sim.memory_plan import MemoryPlan
-from models import hf
+from kvpage.memory_plan import MemoryPlan
+from kvpage.request import SamplingParams
+from kvpage.sim import capacity, replay, workload
+from models import hf, llama
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file.")
 # A run's settings: each flag is the `BenchSettings` field of its name.
 flags.DEFINE_enum("executor", "jax", ["jax", "sim"], "Real model or simulated GPU.")
-flags.DEFINE_string("hardware", None, "Simulated device (default: config's).")
+flags.DEFINE_string("hardware", None, "Shortcut for --config.hardware: the simulated device.")
 _CALIBRATION = flags.DEFINE_string(
     "calibration", None, "Shortcut for --config.sim.calibration: a calibration file "
     "(experiments/calibrate.py) whose rates price simulated steps.")
@@ -71,9 +72,11 @@ flags.DEFINE_integer(
 flags.DEFINE_integer("eos_token_id", None, "Stop token when --noignore_eos.")
 flags.DEFINE_integer("seed", 0, "Workload and sampling seed.")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/serve_bench", "Where results go.")
-flags.DEFINE_integer("num_pages", 0, "KV pages incl. the null page; 0 = auto.")
-flags.DEFINE_integer("page_size", None, "Tokens per page (default: config's).")
-flags.DEFINE_integer("num_host_pages", None, "Host swap pool pages.")
+flags.DEFINE_integer("num_pages", None, "Shortcut for --config.cache.num_pages: KV pages "
+                     "incl. the null page; 0 = sized from memory (budget or plan).")
+flags.DEFINE_integer("page_size", None, "Shortcut for --config.cache.page_size.")
+flags.DEFINE_integer("num_host_pages", None,
+                     "Shortcut for --config.scheduler.num_host_pages: host swap pool pages.")
 flags.DEFINE_bool(
     "warmup", True, "jax executor: compile every step shape before the clock starts, so "
     "compilation does not pollute the measured latencies.")
@@ -108,7 +111,7 @@ class BenchSettings:
   max_tokens: int = 0
   eos_token_id: int | None = None
   seed: int = 0
-  num_pages: int = 0
+  num_pages: int | None = None
   page_size: int | None = None
   num_host_pages: int | None = None
   warmup: bool = True
@@ -119,7 +122,7 @@ class BenchSettings:
     """Rejects values no run could use, before anything is built."""
     if self.executor not in ("jax", "sim"):
       raise ValueError(f"--executor must be jax or sim, got {self.executor!r}")
-    if self.num_pages < 0 or self.num_pages == 1:
+    if self.num_pages is not None and (self.num_pages < 0 or self.num_pages == 1):
       raise ValueError(f"--num_pages must be 0 (auto) or >= 2 (page 0 is the null page), "
                        f"got {self.num_pages}")
     if not 0 <= self.seed < 2**32:
@@ -154,7 +157,12 @@ def config_from_flags() -> ml_collections.ConfigDict:
 
 
 def apply_settings(config: ml_collections.ConfigDict, settings: BenchSettings) -> None:
-  """The settings that live in the config (`page_size`, `num_host_pages`), into it."""
+  """The settings that are shortcuts for config entries (`hardware`, `num_pages`,
+  `page_size`, `num_host_pages`), into it: the config is the one record of them."""
+  if settings.hardware is not None:
+    config.hardware = settings.hardware
+  if settings.num_pages is not None:
+    config.cache.num_pages = settings.num_pages
   if settings.page_size is not None:
     config.cache.page_size = settings.page_size
   if settings.num_host_pages is not None:
@@ -190,7 +198,7 @@ def prepare(config: ml_collections.ConfigDict,
   settings.check()
   apply_settings(config, settings)
   configs_check.check(config)
-  hardware_lib.get_hardware(settings.hardware or config.hardware)
+  hardware_lib.get_hardware(config.hardware)
   eos = settings.eos_token_id
   if eos is not None and not 0 <= eos < config.model.vocab_size:
     raise ValueError(f"--eos_token_id {eos} is outside the vocabulary "
@@ -200,18 +208,18 @@ def prepare(config: ml_collections.ConfigDict,
     if settings.executor == "sim":
       scheduler_config.check(config.scheduler, config.model.max_seq_len)
     else:
-      num_pages, *_ = build.real_pool_pages(config, config.model, num_pages=settings.num_pages,
-                                           pages_needed=pages_needed(config, settings, trace))
-      scheduler_config.check(config.scheduler, build.max_model_len(
+      num_pages, *_ = sizing.real_pool_pages(llama, config, config.model,
+                                             pages_needed=pages_needed(config, settings, trace))
+      scheduler_config.check(config.scheduler, sizing.max_model_len(
           config.model, num_pages=num_pages, page_size=config.cache.page_size))
   return trace
 
 
 def pages_needed(config: ml_collections.ConfigDict, settings: BenchSettings,
                  trace: list[workload.TraceRequest]) -> int:
-  """`build.pages_for_work` for every request of `trace` at its longest: a budget-sized
+  """`sizing.pages_for_work` for every request of `trace` at its longest: a budget-sized
   pool needs no more."""
-  return build.pages_for_work(config, [
+  return sizing.pages_for_work(config, [
       len(item.prompt_ids) + max(item.output_len, settings.max_tokens) for item in trace])
 
 
@@ -222,15 +230,16 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
   (`summary.json`, `steps.jsonl`, `requests.jsonl`, `trace.jsonl`) by name."""
   config = ml_collections.ConfigDict(config.to_dict())  # the caller's stays as it was
   trace = prepare(config, settings)
-  hardware = hardware_lib.get_hardware(settings.hardware or config.hardware)
+  hardware = hardware_lib.get_hardware(config.hardware)
   served = config  # the config with the model that will be served
   if settings.checkpoint:  # token ids drawn from the checkpoint's vocabulary, not the config's
     served = ml_collections.ConfigDict(config.to_dict())
     served.model = hf.load_config(settings.checkpoint)
     trace = load_trace(served, settings)
-  setup = build.serving_engine(config, executor=settings.executor, hardware=hardware,
-                               checkpoint=settings.checkpoint, num_pages=settings.num_pages,
-                               pages_needed=pages_needed(served, settings, trace))
+  setup = cli.serving_engine(config, executor=settings.executor, hardware=hardware,
+                             checkpoint=settings.checkpoint,
+                             pages_set=settings.num_pages is not None,
+                             pages_needed=pages_needed(served, settings, trace))
   if build.follow(setup.engine):  # a process other than 0 of a multi-process run
     return {}, {}
   try:
@@ -273,11 +282,11 @@ def kv_waste(setup: build.ServingSetup, rows: list[dict]) -> dict | None:
     return None
   model = setup.config.model
   max_len = setup.engine.scheduler.max_model_len
-  shape = capacity.ModelShape.from_config(model)
+  shape = model_shape.ModelShape.from_config(model)
   waste = capacity.fragmentation(
       [min(n, max_len) for n in lengths], max_len=max_len,
       page_size=setup.config.cache.page_size,
-      kv_bytes_per_token=capacity.kv_bytes_per_token(shape, model.dtype))
+      kv_bytes_per_token=model_shape.kv_bytes_per_token(shape, model.dtype))
   return dataclasses.asdict(waste)
 
 
@@ -312,7 +321,7 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
   # The clock of record starts here, after set-up and warm-up.
   recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock,
                                      step_shape=setup.engine.executor.step_shape,
-                                     decode_reads_longest=executor.decode_reads_longest)
+                                     traits=executor.traits)
   setup.engine.on_step = recorder.on_step
   scheduler = setup.engine.scheduler
   with contextlib.ExitStack() as stack:
@@ -345,7 +354,8 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
                     ignore_eos=settings.ignore_eos, max_tokens=settings.max_tokens,
                     observed=workload.summarize(trace)),
       checkpoint=settings.checkpoint, warmup=settings.warmup,
-      compiles_during_run=executor.num_compiles - compiles_before, **premises.environment())
+      compiles_during_run=executor.num_compiles - compiles_before, **premises.environment(),
+      **({"backends": setup.backends} if setup.backends else {}))
   summary = recorder.summary(record, settings.slo_ttft, settings.slo_tpot)
   summary["kv_waste"] = kv_waste(setup, recorder.request_rows())
   return summary, recorder.files(summary)
@@ -380,6 +390,7 @@ def format_summary(summary: dict) -> str:
       f"admission={p['policies'].get('admission', 'watermark')} "
       f"watermark={p['policies']['watermark']} max_waiting={p['policies']['max_waiting']} "
       f"decode_steps={p['policies'].get('num_decode_steps', 1)}",
+      *([f"  kernels   {cli.backends_line(p['backends'])}"] if p.get("backends") else []),
       f"  cache     {summary['pages_total']:,} pages x {p['page_size']} tokens"
       + (f" ({p['pool_reason']})" if p.get("pool_reason") else ""),
       *[f"  {'memory' if i == 0 else '':<9} {line}" for i, line in enumerate(

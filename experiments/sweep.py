@@ -97,10 +97,6 @@ class Axis:
   key: str  # a `BenchSettings` field, or a dotted config path
   values: tuple[Any, ...]
 
-  @property
-  def is_setting(self) -> bool:
-    return self.key in SETTINGS
-
 
 def _config_value(config: ml_collections.ConfigDict, path: str) -> Any:
   node: Any = config

@@ -7,7 +7,7 @@ dimension up a fixed ladder of buckets, so that steady-state serving reuses a ha
 of compiled programs instead of recompiling for every new batch size.
 
 Under async scheduling a decode's input token may still be in flight (the previous
-step sampled it on the device; `kvpage.host.request.PLACEHOLDER` on the host): `build`
+step sampled it on the device; `kvpage.request.PLACEHOLDER` on the host): `build`
 encodes it as `-(row + 1)`, the row where the previous step sampled it, and the
 jitted step reads it from that step's output without a round trip through the host.
 
@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvpage.host.request import PLACEHOLDER
+from kvpage.request import PLACEHOLDER
 from kvpage.units import cdiv
 
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -60,7 +60,7 @@ class StepBatch(NamedTuple):
 class DecodeStepBatch(StepBatch):
   """A `StepBatch` whose every sequence brings exactly one new token, token `s` being
   sequence `s`'s: models may take a decode-only attention path
-  (`kvpage.device.attention.xla.paged_decode_attention`). `build` returns it when that
+  (`kvpage.device.backends.xla.attention.paged_decode_attention`). `build` returns it when that
   holds."""
 
   __slots__ = ()

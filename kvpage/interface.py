@@ -26,8 +26,31 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from kvpage.host.admission import Admission
-from kvpage.host.request import Request
+from kvpage.request import Request
+
+# The gateway's answers, HTTP's status codes: admitted, can never fit, queue full, cache
+# pressure.
+OK, BAD_REQUEST, TOO_MANY_REQUESTS, SERVICE_UNAVAILABLE = 200, 400, 429, 503
+
+
+@dataclasses.dataclass(frozen=True)
+class Admission:
+  """The gateway's answer to one request: an HTTP-like status, why, and when to retry."""
+
+  status: int
+  reason: str = ""
+  retry_after: float | None = None
+  request_id: str = ""
+  # Which check answered, as a stable code a gateway can send on (the `reason` is prose):
+  # "admitted"; the 400s "empty_prompt", "context_length_exceeded", "exceeds_pool",
+  # "invalid_token_ids", "exceeds_watermark", "duplicate_request_id"; the 503
+  # "kv_pressure"; the 429s "queue_full" and "wait_deadline" (the forecast wait exceeds
+  # the request's own `max_queue_wait_s`).
+  cause: str = "admitted"
+
+  @property
+  def admitted(self) -> bool:
+    return self.status == OK
 
 
 @dataclasses.dataclass(slots=True)
@@ -110,6 +133,30 @@ def make_sequence(request: Request, num_new: int) -> ScheduledSequence:
       request.num_sampled)
 
 
+@dataclasses.dataclass(frozen=True)
+class CostTraits:
+  """What a step's cost and memory depend on beyond its shape: traits of the code that
+  computes it (a device backend's, `kvpage.device.backends.traits`, or the simulated
+  engine's), asked for by the simulator, the calibration and the memory plan instead
+  of naming a backend.
+
+  decode_reads_longest: every decode row of a padded step reads as far as the step's
+    longest decode context, not its own (the XLA decode pass pads them to one width).
+  swiglu_fused: the MLP's gate and up products never exist apart in memory, only
+    `silu(gate) * up` (a kernel computes both in one call).
+  decode_tokens_per_tile, prefill_query_block, prefill_tokens_per_tile: the attention
+    tiles a step keeps live (keys and values gathered per decode row; a prompt chunk's
+    query block against one key tile), for the memory plan's estimate; None where the
+    executor has none (a simulated one).
+  """
+
+  decode_reads_longest: bool = False
+  swiglu_fused: bool = False
+  decode_tokens_per_tile: int | None = None
+  prefill_query_block: int | None = None
+  prefill_tokens_per_tile: int | None = None
+
+
 # An executor's answer for one step: for each sequence that samples, its token, or for a
 # multi-step decode (`SchedulerOutput.num_steps > 1`) the list of its `num_steps` tokens.
 Samples = dict[str, int | list[int]]
@@ -143,11 +190,10 @@ class Executor(abc.ABC):
     return output.num_batched_tokens, len(output.scheduled)
 
   @property
-  def decode_reads_longest(self) -> bool:
-    """Whether every row of a step's decode attention (all `step_shape` sequences)
-    reads as far as the step's longest decode context, rather than its own: what the
-    cost of its decodes depends on. This default reads each row's own."""
-    return False
+  def traits(self) -> CostTraits:
+    """What its steps' cost depends on beyond their shape (`CostTraits`). This default:
+    each decode row reads its own context, nothing fused."""
+    return CostTraits()
 
   @abc.abstractmethod
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,

@@ -8,15 +8,13 @@ checkpoint by name.
 The forward pass serves one ragged mixed batch (`kvpage.batch.StepBatch`): prefill
 chunks and decode tokens flattened to `[num_tokens]`. Each layer writes its new keys
 and values into the cache through the slot mapping, then attends through the page
-tables with `kvpage.device.attention.attention`, naming `config.attention_impl` (one of
-its `ATTENTION_IMPLS`) and whether the batch is decode-only; which implementation runs,
-and how it is called, is the attention package's business. Only the rows that sample
-(`logits_indices`) go through the LM head. `config.linear_impl` (one of `LINEAR_IMPLS`)
-says who computes the projections and the MLP (`Products`): XLA, or on `cpu`, kvpage's
-kernels (`kvpage.device.cpu.linear`) where they run, XLA elsewhere; at
-`config.matmul_precision` (one of `MATMUL_PRECISIONS`). Each block takes the residual
-stream and its norm's scale and returns the stream with its output added, so a kernel
-can apply the norm and add the residual itself.
+tables. The model computes through ops (`kvpage.device.backends.Ops`: attention over
+the paged cache, projections, SwiGLU, RMSNorm) and names no backend: which code runs
+them is the config's run choices (`attention_impl`, `linear_impl`, `matmul_precision`;
+`kvpage.device.backends.RunChoices`). Only the rows that sample (`logits_indices`) go
+through the LM head. Each block takes the residual stream and its norm's scale and
+returns the stream with its output added, so a backend can apply the norm and add the
+residual inside its products.
 """
 
 from typing import Any
@@ -27,41 +25,21 @@ import jax.numpy as jnp
 import ml_collections
 
 from kvpage import batch as batch_lib
-from kvpage.device import attention as attention_lib
+from kvpage.device import backends, sharding
 from kvpage.device import cache as paged_cache
-from kvpage.device import sharding
-from kvpage.device.cpu import linear as cpu_linear
 from kvpage.device.sharding import TensorParallel
 from models import rope
 
 
 class NormScale(nn.Module):
-  """An RMSNorm's scale (`weight`, ones at init), for `cpu_linear.rms_norm` or a
-  product that applies the norm itself."""
+  """An RMSNorm's scale (`weight`, ones at init), for `Ops.rms_norm` or a product that
+  applies the norm itself."""
 
   dtype: Any
 
   @nn.compact
   def __call__(self, features: int) -> jax.Array:
     return self.param("weight", nn.initializers.ones, (features,), self.dtype)
-
-
-LINEAR_IMPLS = ("xla", "cpu")
-# `config.matmul_precision`: JAX's names (`jax.lax.Precision`); "default" defers to
-# `jax_default_matmul_precision`. On CPU with `linear_impl='cpu'`, "high" puts products
-# of many rows on AMX in three bf16 passes (`kvpage.device.cpu.linear`).
-MATMUL_PRECISIONS = ("default", "high", "highest")
-# How a model runs: its hardware's choice (the config's), which a checkpoint does not
-# carry. Each with its value where a config leaves it out.
-RUN_CHOICES = {"attention_impl": "xla", "linear_impl": "xla", "matmul_precision": "default"}
-
-
-def keep_run_choices(model_config: ml_collections.ConfigDict,
-                     config: ml_collections.ConfigDict) -> None:
-  """Sets a checkpoint's model section (`model_config`) to run as the config's
-  `config` (a model section) says (`RUN_CHOICES`)."""
-  for key, default in RUN_CHOICES.items():
-    model_config[key] = config.get(key, default)
 
 
 class Weight(nn.Module):
@@ -77,60 +55,6 @@ class Weight(nn.Module):
                       self.dtype)
 
 
-class Products:
-  """A layer's matrix products, as `config.linear_impl` and `config.matmul_precision`
-  say: with `cpu`, on kvpage's CPU kernels where they run (the projections of one input
-  in one call, SwiGLU's two with their activation), XLA elsewhere.
-
-  Tensor-parallel steps keep their products on XLA: its partitioner splits them over
-  the devices, and cannot split a custom call (it would gather the weights whole).
-  """
-
-  def __init__(self, config: ml_collections.ConfigDict,
-               tensor_parallel: TensorParallel | None):
-    impl = config.get("linear_impl", "xla")
-    if impl not in LINEAR_IMPLS:
-      raise ValueError(f"linear_impl {impl!r}: choose one of {', '.join(LINEAR_IMPLS)}")
-    precision = config.get("matmul_precision", "default")
-    if precision not in MATMUL_PRECISIONS:
-      raise ValueError(f"matmul_precision {precision!r}: choose one of "
-                       f"{', '.join(MATMUL_PRECISIONS)}")
-    self.on_kernels = impl == "cpu" and tensor_parallel is None
-    self.tensor_parallel = tensor_parallel
-    self.precision = None if precision == "default" else jax.lax.Precision(precision)
-
-  def project(self, x: jax.Array, weights: list[jax.Array], *,
-              norm: tuple[jax.Array, float] | None = None,
-              residual: jax.Array | None = None) -> list[jax.Array]:
-    """`[x @ w for w in weights]`; with `norm` (scale, eps), of `rms_norm(x)`; with
-    `residual`, plus the one result made whole across devices (the all-reduce of the
-    row-parallel projections)."""
-    if self.on_kernels:
-      return cpu_linear.project(x, weights, self.precision, norm=norm, residual=residual)
-    if norm is not None:
-      x = cpu_linear.rms_norm(x, *norm)
-    outs = [jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())),
-                                precision=self.precision) for w in weights]
-    if residual is not None:
-      outs = [residual + sharding.constrain(outs[0], self.tensor_parallel, "replicated")]
-    return outs
-
-  def swiglu(self, x: jax.Array, gate: jax.Array, up: jax.Array, *,
-             norm: tuple[jax.Array, float] | None = None) -> jax.Array:
-    """`silu(x @ gate) * (x @ up)`, of `rms_norm(x)` with `norm`."""
-    if self.on_kernels:
-      return cpu_linear.swiglu(x, gate, up, self.precision, norm=norm)
-    gate_out, up_out = self.project(x, [gate, up], norm=norm)
-    return nn.silu(gate_out) * up_out
-
-
-def swiglu_in_one_call(config: ml_collections.ConfigDict,
-                       tensor_parallel: TensorParallel | None = None) -> bool:
-  """Whether the MLP's gate and up products never exist apart (CPU kernels), for
-  `kvpage.sim.memory_plan.step_activation_bytes`."""
-  return Products(config, tensor_parallel).on_kernels and jax.default_backend() == "cpu"
-
-
 class Attention(nn.Module):
   config: ml_collections.ConfigDict
   layer: int
@@ -143,9 +67,9 @@ class Attention(nn.Module):
     """The residual stream `x` plus attention over `rms_norm(x)` (`norm`: scale, eps)."""
     c, dtype = self.config, paged_cache.jnp_dtype(self.config.dtype)
     tp, num_tokens = self.tensor_parallel, x.shape[0]
-    products = Products(c, tp)
+    ops = backends.ops(c, tp)
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    q, k, v = products.project(x, [
+    q, k, v = ops.project(x, [
         Weight(q_dim, dtype, name="q_proj")(c.d_model),
         Weight(kv_dim, dtype, name="k_proj")(c.d_model),
         Weight(kv_dim, dtype, name="v_proj")(c.d_model)], norm=norm)
@@ -161,15 +85,13 @@ class Attention(nn.Module):
     v = sharding.constrain(v, tp, "kv_heads")
     cache = paged_cache.write(cache, self.layer, k, v, batch.slot_mapping)
     # `decode_only` is a class attribute of the batch's type, so static under jit.
-    out = attention_lib.attention(
-        c.attention_impl, q.astype(cache.dtype), cache.k_pages, cache.v_pages,
-        layer=self.layer, page_tables=batch.page_tables, context_lens=batch.context_lens,
-        query_start_loc=batch.query_start_loc, decode_only=batch.decode_only,
-        tensor_parallel=tp, precision=products.precision)
+    out = ops.attention(q.astype(cache.dtype), cache.k_pages, cache.v_pages,
+                        layer=self.layer, page_tables=batch.page_tables,
+                        context_lens=batch.context_lens,
+                        query_start_loc=batch.query_start_loc, decode_only=batch.decode_only)
     out = out.astype(dtype).reshape(num_tokens, q_dim)
     # Each device's heads project to a partial sum, all-reduced before the residual.
-    (x,) = products.project(out, [Weight(c.d_model, dtype, name="o_proj")(q_dim)],
-                            residual=x)
+    (x,) = ops.project(out, [Weight(c.d_model, dtype, name="o_proj")(q_dim)], residual=x)
     return x, cache
 
 
@@ -181,11 +103,11 @@ class MLP(nn.Module):
   def __call__(self, x: jax.Array, norm: tuple[jax.Array, float]) -> jax.Array:
     """The residual stream `x` plus the MLP of `rms_norm(x)` (`norm`: scale, eps)."""
     c, tp, dtype = self.config, self.tensor_parallel, paged_cache.jnp_dtype(self.config.dtype)
-    products = Products(c, tp)
-    hidden = products.swiglu(x, Weight(c.ffn_dim, dtype, name="gate_proj")(c.d_model),
-                             Weight(c.ffn_dim, dtype, name="up_proj")(c.d_model), norm=norm)
-    (x,) = products.project(hidden, [Weight(c.d_model, dtype, name="down_proj")(c.ffn_dim)],
-                            residual=x)  # all-reduced before the residual
+    ops = backends.ops(c, tp)
+    hidden = ops.swiglu(x, Weight(c.ffn_dim, dtype, name="gate_proj")(c.d_model),
+                        Weight(c.ffn_dim, dtype, name="up_proj")(c.d_model), norm=norm)
+    (x,) = ops.project(hidden, [Weight(c.d_model, dtype, name="down_proj")(c.ffn_dim)],
+                       residual=x)  # all-reduced before the residual
     return x
 
 
@@ -222,9 +144,10 @@ class Llama(nn.Module):
     x = sharding.constrain(embed(batch.token_ids), tp, "replicated")
     for layer in range(c.num_layers):
       x, cache = DecoderLayer(c, layer, tp, name=f"layers_{layer}")(x, cache, batch)
-    x = cpu_linear.rms_norm(x[batch.logits_indices], NormScale(dtype, name="norm")(c.d_model),
-                            c.norm_eps)
-    logits = (embed.attend(x) if c.tie_embeddings else Products(c, tp).project(
+    ops = backends.ops(c, tp)
+    x = ops.rms_norm(x[batch.logits_indices], NormScale(dtype, name="norm")(c.d_model),
+                     c.norm_eps)
+    logits = (embed.attend(x) if c.tie_embeddings else ops.project(
         x, [Weight(c.vocab_size, dtype, name="lm_head")(c.d_model)])[0])
     # Each device scores its slice of the vocabulary; the sampler gets whole logits on
     # every device: one gather of `[num_seqs, vocab]`, not of the LM head's weights.

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from configs import scheduler as scheduler_lib
 from kvpage.host.engine import Engine
 from kvpage.host.pages import PagePool
-from kvpage.host.request import PLACEHOLDER, Request
 from kvpage.host.scheduler import Scheduler
 from kvpage.interface import Executor, Samples, ScheduledSequence, SchedulerOutput
+from kvpage.request import PLACEHOLDER, Request
 from kvpage.units import NULL_PAGE
 
 SampleFn = Callable[[str, int], int]  # (request id, position computed) -> next token

@@ -1,8 +1,8 @@
 """Admission answers 400 to what can never be served, and never corrupts live requests."""
 
 from configs import scheduler as scheduler_lib
-from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, RequestStatus, SamplingParams
 
 
 def make_scheduler(**overrides) -> Scheduler:

@@ -10,10 +10,10 @@ import pytest
 import tiny_config
 from engine_utils import run_streaming
 
-from experiments import build
 from kvpage import batch as batch_lib
-from kvpage.host.request import PLACEHOLDER, Request, SamplingParams
+from kvpage import build
 from kvpage.interface import ScheduledSequence
+from kvpage.request import PLACEHOLDER, Request, SamplingParams
 from models import llama
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8]]
@@ -27,7 +27,7 @@ def params():
 def engine_for(params, async_scheduling: bool, num_pages: int = 64):
   config = tiny_config.get_config()
   config.scheduler.update(dict(async_scheduling=async_scheduling, watermark=0.0))
-  return build.llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
+  return build.jax_engine(llama, config.model, params, config.scheduler, num_pages=num_pages,
                             page_size=16)
 
 

@@ -14,7 +14,8 @@ from attention_cases import dense_attention, make_case, relative_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpage.device.attention import reference, xla
+from kvpage.device.attention import reference
+from kvpage.device.backends.xla import attention as xla
 
 HEAD_DIM = 16
 

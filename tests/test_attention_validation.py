@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from attention_cases import make_case
 
-from kvpage.device.attention import reference, xla
+from kvpage.device.attention import reference
+from kvpage.device.backends.xla import attention as xla
 
 HEAD_DIM = 16
 

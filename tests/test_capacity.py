@@ -4,14 +4,15 @@ import pytest
 
 from configs import hardware as hardware_lib
 from configs import llama3_8b, llama_13b, tiny
+from kvpage import model_shape
 from kvpage.sim import capacity
 
-LLAMA_13B = capacity.ModelShape.from_config(llama_13b.get_config().model)
-LLAMA3_8B = capacity.ModelShape.from_config(llama3_8b.get_config().model)
+LLAMA_13B = model_shape.ModelShape.from_config(llama_13b.get_config().model)
+LLAMA3_8B = model_shape.ModelShape.from_config(llama3_8b.get_config().model)
 
 
 def test_mission_kv_bytes_for_13b_fp16():
-  assert capacity.kv_bytes_per_token(LLAMA_13B, "fp16") == 819_200
+  assert model_shape.kv_bytes_per_token(LLAMA_13B, "fp16") == 819_200
   assert capacity.kv_bytes_per_request(LLAMA_13B, "fp16", 4096) == 3_355_443_200
 
 
@@ -23,8 +24,8 @@ def test_seed_premises_fit_16_requests():
 
 
 def test_exact_premises_fit_17_requests():
-  assert capacity.num_parameters(LLAMA_13B) == 13_015_864_320
-  assert capacity.weight_bytes(LLAMA_13B, "fp16") == 26_031_728_640
+  assert model_shape.num_parameters(LLAMA_13B) == 13_015_864_320
+  assert model_shape.weight_bytes(LLAMA_13B, "fp16") == 26_031_728_640
   plan = capacity.plan(LLAMA_13B, seq_len=4096, weight_dtype="fp16",
                        memory_bytes=hardware_lib.get_hardware("a100_80gb").memory_bytes)
   assert plan.memory_bytes == 80 * 2**30
@@ -41,27 +42,27 @@ def test_reserve_reduces_capacity():
 
 def test_gqa_divides_kv_bytes_by_group_size():
   assert LLAMA3_8B.group_size == 4
-  assert capacity.kv_bytes_per_token(LLAMA3_8B, "bf16") == 131_072
-  mha = capacity.ModelShape(**{**vars(LLAMA3_8B), "num_kv_heads": 32})
-  assert capacity.kv_bytes_per_token(mha, "bf16") == 4 * 131_072
+  assert model_shape.kv_bytes_per_token(LLAMA3_8B, "bf16") == 131_072
+  mha = model_shape.ModelShape(**{**vars(LLAMA3_8B), "num_kv_heads": 32})
+  assert model_shape.kv_bytes_per_token(mha, "bf16") == 4 * 131_072
 
 
 @pytest.mark.parametrize("dtype,expected", [("fp32", 1_638_400), ("bf16", 819_200),
                                             ("fp16", 819_200), ("fp8", 409_600),
                                             ("int8", 409_600), ("bfloat16", 819_200)])
 def test_kv_bytes_per_dtype(dtype, expected):
-  assert capacity.kv_bytes_per_token(LLAMA_13B, dtype) == expected
+  assert model_shape.kv_bytes_per_token(LLAMA_13B, dtype) == expected
 
 
 def test_llama3_8b_parameter_count():
   # Meta's reported count for Llama-3-8B: 8,030,261,248 parameters.
-  assert capacity.num_parameters(LLAMA3_8B) == 8_030_261_248
+  assert model_shape.num_parameters(LLAMA3_8B) == 8_030_261_248
 
 
 def test_tied_embeddings_count_once():
-  untied = capacity.ModelShape.from_config(tiny.get_config().model)
-  tied = capacity.ModelShape(**{**vars(untied), "tie_embeddings": True})
-  assert capacity.num_parameters(untied) - capacity.num_parameters(tied) == 512 * 256
+  untied = model_shape.ModelShape.from_config(tiny.get_config().model)
+  tied = model_shape.ModelShape(**{**vars(untied), "tie_embeddings": True})
+  assert model_shape.num_parameters(untied) - model_shape.num_parameters(tied) == 512 * 256
 
 
 def test_block_rounding_and_pool_tokens():
@@ -81,9 +82,9 @@ def test_block_rounding_and_pool_tokens():
 @pytest.mark.parametrize("call,message", [
     (lambda: capacity.kv_bytes_per_request(LLAMA_13B, "fp16", 0), "seq_len must be a positive"),
     (lambda: capacity.kv_bytes_per_request(LLAMA_13B, "fp16", -5), "seq_len must be a positive"),
-    (lambda: capacity.kv_bytes_per_token(LLAMA_13B, "fp4"), "choose one of: fp32, bf16"),
-    (lambda: capacity.ModelShape(**{**vars(LLAMA_13B), "num_kv_heads": 3}), "must divide"),
-    (lambda: capacity.ModelShape(**{**vars(LLAMA_13B), "num_layers": 0}), "num_layers must be"),
+    (lambda: model_shape.kv_bytes_per_token(LLAMA_13B, "fp4"), "choose one of: fp32, bf16"),
+    (lambda: model_shape.ModelShape(**{**vars(LLAMA_13B), "num_kv_heads": 3}), "must divide"),
+    (lambda: model_shape.ModelShape(**{**vars(LLAMA_13B), "num_layers": 0}), "num_layers must be"),
     (lambda: capacity.plan(LLAMA_13B, seq_len=4096, weight_dtype="fp16",
                            memory_bytes=10 * 10**9), "does not fit"),
     (lambda: capacity.plan(LLAMA_13B, seq_len=4096, weight_dtype="fp16", page_size=0,

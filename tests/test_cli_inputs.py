@@ -66,7 +66,7 @@ def write_trace(path: pathlib.Path, *changes: dict) -> pathlib.Path:
     (["--config.cache.page_size=0"], "page_size must be an integer in [1"),
     (["--num_pages=1"], "--num_pages must be 0 (auto) or >= 2"),
     (["--num_host_pages=-1"], "--num_host_pages must be >= 0"),
-    (["--num_pages=62030830260350"], "--num_pages must be in [0, 16,777,216]"),
+    (["--num_pages=62030830260350"], "cache.num_pages must be an integer in [0, 2,147,483,647]"),
     (["--seed=-1"], "--seed must be in [0, 2**32)"),
     (["--eos_token_id=100000", "--noignore_eos"], "outside the vocabulary"),
     (["--prompt_len=16000000", "--num_requests=4"], "a trace holds at most"),

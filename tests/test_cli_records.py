@@ -8,7 +8,7 @@ import pytest
 from cli_harness import Worker
 
 from experiments import cli
-from kvpage.sim import metrics, premises
+from kvpage import metrics, premises
 
 
 def test_write_files_is_all_or_nothing(tmp_path):

@@ -4,8 +4,8 @@ import pytest
 
 from configs import base, llama3_8b, llama_13b, small, tiny
 from configs import hardware as hardware_lib
-from experiments import build
-from kvpage.sim import capacity
+from kvpage import model_shape, sizing
+from models import llama
 
 
 def test_llama_13b_matches_the_llama2_paper():
@@ -35,7 +35,7 @@ def test_dtype_variants(module, variant):
 
 def test_small_is_tens_of_millions_of_parameters_with_gqa():
   model = small.get_config().model
-  parameters = capacity.weight_bytes(capacity.ModelShape.from_config(model), "fp32") // 4
+  parameters = model_shape.weight_bytes(model_shape.ModelShape.from_config(model), "fp32") // 4
   assert 20e6 < parameters < 40e6 and model.num_heads == 4 * model.num_kv_heads
   assert small.get_config().cache.num_pages == 0  # its pool: the byte budget
 
@@ -58,14 +58,14 @@ def test_hardware_table_cites_sources():
 def test_a_real_runs_pool_comes_from_one_byte_budget():
   config = tiny.get_config()
   page = 2 * 4 * 4 * 2 * 64 * 16  # K and V, fp32, 4 layers, 2 KV heads, head_dim 64, 16 tokens
-  assert build.real_pool_pages(config, config.model, num_pages=40)[:2] == (40, "--num_pages")
-  assert build.real_pool_pages(config, config.model)[0] == 256  # the config's own count
-  # A checkpoint replaced the config's model: the byte budget, not the page count.
-  pages, reason, plan = build.real_pool_pages(config, config.model, checkpoint=True)
-  assert pages == 4 * 2**30 // page and "cache.num_pages=256 sizes the config's own" in reason
+  # A page count, the config's own (or set by --num_pages), decides first.
+  assert sizing.real_pool_pages(llama, config, config.model)[:2] == (256, "cache.num_pages=256")
+  # Without one: the byte budget.
+  config.cache.num_pages = 0
+  pages, reason, plan = sizing.real_pool_pages(llama, config, config.model)
+  assert pages == 4 * 2**30 // page and "cache.kv_memory_gib=4 GiB" in reason
   assert plan is None
-  pages, reason, _ = build.real_pool_pages(config, config.model, checkpoint=True,
-                                           pages_needed=99)
+  pages, reason, _ = sizing.real_pool_pages(llama, config, config.model, pages_needed=99)
   assert pages == 99 and "needs at most 99" in reason
   config.cache.kv_memory_gib = -1.0
   with pytest.raises(ValueError, match=r"cache\.kv_memory_gib must be a finite number"):

@@ -1,4 +1,4 @@
-"""The CPU attention kernels (`kvpage.device.attention.cpu`) against the oracle and XLA.
+"""The CPU attention kernels (`kvpage.device.backends.cpu.attention`) against the oracle and XLA.
 
 The kernels read pages in place through the page table, so the cases scatter each
 sequence's history into permuted pages (`attention_cases.make_case`) and read a layer
@@ -12,7 +12,6 @@ the kernels must build; the tests say so rather than pass on the fallback.
 
 import itertools
 import pathlib
-import shutil
 import subprocess
 import sys
 
@@ -23,11 +22,13 @@ import pytest
 import tiny_config
 from attention_cases import make_case
 
-from kvpage.device import cpu as cpu_lib
-from kvpage.device.attention import cpu, reference, xla
+from kvpage.device import backends
+from kvpage.device.attention import reference
+from kvpage.device.backends.cpu import attention as cpu
+from kvpage.device.backends.cpu import native as cpu_lib
+from kvpage.device.backends.xla import attention as xla
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler here")
 
 
 def whole_cache(pages: np.ndarray, layer: int, num_layers: int = 3) -> jax.Array:
@@ -37,7 +38,7 @@ def whole_cache(pages: np.ndarray, layer: int, num_layers: int = 3) -> jax.Array
 
 
 def test_the_kernel_builds_and_registers():
-  assert cpu.status() == "ready"
+  assert cpu_lib.status() == "ready"
 
 
 # Every head size the kernel is built for; pages shorter than, as long as and longer
@@ -113,8 +114,10 @@ def test_the_cpu_paths_equal_the_xla_paths(decode_only):
   kwargs = dict(page_tables=case.page_tables, context_lens=case.context_lens, layer=layer)
   if not decode_only:
     kwargs["query_start_loc"] = case.query_start_loc
-  ours = jax.jit(lambda q, k, v: entry(q, k, v, **kwargs, decode_kernel="cpu"))(q, k, v)
-  theirs = entry(q, k, v, **kwargs, decode_kernel="xla")
+  kernels = backends.cpu.row_kernels(q, k, precision=None)
+  assert kernels.decode is not None and kernels.prompt_chunks is not None
+  ours = jax.jit(lambda q, k, v: entry(q, k, v, **kwargs, kernels=kernels))(q, k, v)
+  theirs = entry(q, k, v, **kwargs)
   np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
@@ -141,7 +144,7 @@ def test_the_engine_generates_the_same_tokens_with_either_path():
 
   def tokens(impl):
     engine = tiny_config.mixed_step_engine(attention_impl=impl)
-    assert engine.executor.decode_reads_longest == (impl == "xla")
+    assert engine.executor.traits.decode_reads_longest == (impl == "xla")
     return tiny_config.greedy_tokens(engine, prompts, 6)
 
   assert tokens("cpu") == tokens("xla")
@@ -151,8 +154,8 @@ def test_loading_the_kernel_keeps_subnormals():
   """A library linked with -ffast-math switches the loading thread to flush subnormals
   to zero, which silently changes every float computation after it (and hypothesis
   refuses to run). Loaded in a fresh process, the kernel must leave them alone."""
-  code = ("import numpy as np; from kvpage.device.attention import cpu; "
-          "assert cpu.status() == 'ready', cpu.status(); "
+  code = ("import numpy as np; from kvpage.device.backends.cpu import native; "
+          "assert native.status() == 'ready', native.status(); "
           "print(float((np.array([1e-39], np.float32) * np.float32(1.0))[0]))")
   result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=ROOT, check=True)

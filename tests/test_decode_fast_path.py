@@ -4,7 +4,7 @@
 reference does (fp32 relative error < 1e-5), for contexts taken in one pass or folded
 tile by tile, padding rows and sequences, and when reading one layer out of the whole cache.
 `batch.build` marks decode-only batches with their type (`DecodeStepBatch`), which is
-how `attention("xla", ..., decode_only=...)` picks the path at trace time.
+how the XLA backend's `attend(..., decode_only=...)` picks the path at trace time.
 """
 
 import jax
@@ -14,9 +14,10 @@ import pytest
 from attention_cases import dense_attention, make_case, relative_error
 
 from kvpage import batch as batch_lib
-from kvpage.device.attention import reference, xla
-from kvpage.host.request import Request, SamplingParams
+from kvpage.device.attention import reference
+from kvpage.device.backends.xla import attention as xla
 from kvpage.interface import ScheduledSequence
+from kvpage.request import Request, SamplingParams
 
 DECODE_SEQS = [(1, 1), (3, 1), (16, 1), (17, 1), (513, 1)]
 

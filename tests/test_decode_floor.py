@@ -13,7 +13,7 @@ from hf_utils import hf_logits, make_checkpoint
 from test_llama_hf import PROMPTS, prefill_logits
 
 from benchmarks import identity_attention
-from kvpage.device import attention as attention_lib
+from kvpage.device import backends
 from models import hf
 
 
@@ -24,11 +24,11 @@ def test_identity_models_agree_across_frameworks(tmp_path):
   identity_hf = transformers.LlamaForCausalLM.from_pretrained(
       tmp_path, attn_implementation=identity_attention.register_hf()).eval()
   config, params = hf.load(tmp_path)
-  original = attention_lib.attention
+  original = backends.Ops.attention
   prompt = PROMPTS[2]
   with identity_attention.in_kvpage():
     ours = prefill_logits(config, params, prompt)
-  assert attention_lib.attention is original
+  assert backends.Ops.attention is original
   theirs = hf_logits(identity_hf, prompt)
   assert np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)) < 1e-4
   real = hf_logits(real_hf, prompt)

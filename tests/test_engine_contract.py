@@ -13,10 +13,10 @@ from engine_utils import FakeExecutor, fake_engine
 
 from configs import hardware as hardware_lib
 from configs import tiny
-from experiments import build
+from kvpage import build
 from kvpage.device.executor import JaxExecutor
-from kvpage.host.request import SamplingParams
 from kvpage.interface import Executor
+from kvpage.request import SamplingParams
 from kvpage.sim.executor import SimExecutor
 
 STOP = 3

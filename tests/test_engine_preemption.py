@@ -8,8 +8,8 @@ import sys
 import pytest
 import tiny_config
 
-from experiments import build
-from kvpage.host.request import SamplingParams
+from kvpage import build
+from kvpage.request import SamplingParams
 from models import llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,7 +44,7 @@ def test_preempted_run_matches_generate(reference_outputs, mode, async_schedulin
                                async_scheduling=async_scheduling,
                                num_decode_steps=num_decode_steps))
   params = llama.random_init(config.model, config.seed)
-  engine = build.llama_engine(config.model, params, config.scheduler, num_pages=12,
+  engine = build.jax_engine(llama, config.model, params, config.scheduler, num_pages=12,
                               page_size=16, num_host_pages=32)
   requests = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
   stats = engine.scheduler.stats()

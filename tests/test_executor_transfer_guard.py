@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import tiny_config
 
-from experiments import build
-from kvpage.host.request import SamplingParams
+from kvpage import build
+from kvpage.request import SamplingParams
 from models import llama
 
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(length)]
@@ -40,7 +40,7 @@ def params():
 def engine_for(params, overrides: dict, num_pages: int):
   config = tiny_config.get_config()
   config.scheduler.update(dict(watermark=0.0, **overrides))
-  return build.llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
+  return build.jax_engine(llama, config.model, params, config.scheduler, num_pages=num_pages,
                             page_size=16, num_host_pages=config.scheduler.num_host_pages)
 
 

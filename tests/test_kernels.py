@@ -18,10 +18,10 @@ from attention_cases import dense_attention, make_case, relative_error
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpage.device.attention import pallas as paged_attention
 from kvpage.device.attention import reference
-from kvpage.device.attention.pallas import decode as decode_attention
-from kvpage.device.attention.pallas import ragged as ragged_attention
+from kvpage.device.backends.pallas import attention as paged_attention
+from kvpage.device.backends.pallas import decode as decode_attention
+from kvpage.device.backends.pallas import ragged as ragged_attention
 
 HEAD_DIM = 16
 FP32_TOLERANCE = 1e-5

@@ -19,11 +19,11 @@ import tiny_config
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from configs import scheduler as scheduler_lib
-from experiments import build
-from kvpage.device.attention import pallas as paged_attention
+from kvpage import build
 from kvpage.device.attention import reference
-from kvpage.device.attention.pallas import mosaic_decode
-from kvpage.host.request import SamplingParams
+from kvpage.device.backends.pallas import attention as paged_attention
+from kvpage.device.backends.pallas import mosaic_decode
+from kvpage.request import SamplingParams
 from models import llama
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [7, 3], [42]]
@@ -38,7 +38,7 @@ def greedy_tokens(impl: str, chunk_size: int) -> list[list[int]]:
   scheduler_config.chunk_size = chunk_size
   scheduler_config.max_num_batched_tokens = max(scheduler_config.max_num_batched_tokens,
                                                 model.max_seq_len)
-  engine = build.llama_engine(model, llama.random_init(model, seed=0), scheduler_config,
+  engine = build.jax_engine(llama, model, llama.random_init(model, seed=0), scheduler_config,
                               num_pages=32, page_size=4)
   requests = engine.generate(PROMPTS, SamplingParams(max_tokens=NUM_NEW_TOKENS,
                                                      ignore_eos=True))

@@ -19,11 +19,11 @@ from attention_cases import dense_attention, make_case, relative_error
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from configs import scheduler as scheduler_lib
-from experiments import build
-from kvpage.device.attention import pallas as paged_attention
+from kvpage import build
 from kvpage.device.attention import reference
-from kvpage.device.attention.pallas import mosaic_decode
-from kvpage.host.request import SamplingParams
+from kvpage.device.backends.pallas import attention as paged_attention
+from kvpage.device.backends.pallas import mosaic_decode
+from kvpage.request import SamplingParams
 from models import llama
 
 pytestmark = pytest.mark.skipif(not hasattr(plgpu, "InterpretGPUParams"),
@@ -116,12 +116,12 @@ def test_the_engine_lets_the_interpreter_move_its_own_scalars():
   params = llama.random_init(model, seed=0)
   for impl, guard in (("mosaic", "log"), ("xla", "disallow")):
     model.attention_impl = impl
-    engine = build.llama_engine(model, params, scheduler_lib.get_scheduler_config(),
+    engine = build.jax_engine(llama, model, params, scheduler_lib.get_scheduler_config(),
                                 num_pages=16, page_size=16)
     assert engine.executor.guard == guard
   # The run that failed under "disallow": three prompts, one of 17 tokens (two pages).
   model.attention_impl = "mosaic"
-  engine = build.llama_engine(model, params, scheduler_lib.get_scheduler_config(),
+  engine = build.jax_engine(llama, model, params, scheduler_lib.get_scheduler_config(),
                               num_pages=16, page_size=16)
   requests = engine.generate([list(range(1, 18)), [7, 3], [42]],
                              SamplingParams(max_tokens=6, ignore_eos=True))

@@ -34,7 +34,16 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HOST_WORLD = ("kvpage/host", "kvpage/sim", "kvpage/serve", "kvpage/interface.py",
-              "kvpage/batch.py")
+              "kvpage/batch.py", "kvpage/clock.py", "kvpage/premises.py", "kvpage/metrics.py",
+              "kvpage/memory_plan.py", "kvpage/model_shape.py", "kvpage/units.py",
+              "kvpage/request.py")
+# The backends seam (kvpage/device/backends): the registry is the package itself; each
+# backend is a folder under it. Nothing else names one.
+BACKENDS = "kvpage/device/backends"
+BACKEND_MODULES = tuple(f"kvpage.device.backends.{path.name}"
+                        for path in sorted((ROOT / BACKENDS).iterdir()) if path.is_dir()
+                        and path.name != "__pycache__")
+RUN_CHOICES = ("attention_impl", "linear_impl", "matmul_precision")
 DEVICE_ONLY = ("jax", "jaxlib", "flax", "optax", "chex", "kvpage.device")
 PROJECT = ("kvpage", "models", "configs", "experiments", "benchmarks")
 # The tests import their helpers as top-level modules (`engine_utils`), so each file's
@@ -228,6 +237,43 @@ def test_project_modules_import_without_cycles():
   assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
+def _outside_backends() -> list[str]:
+  """Every folder and file of the project's code but the backends seam itself."""
+  tops = ["models", "configs", "experiments"]
+  for path in sorted((ROOT / "kvpage").rglob("*.py")):
+    relative = path.relative_to(ROOT).as_posix()
+    if "__pycache__" not in relative and not relative.startswith(BACKENDS + "/"):
+      tops.append(relative)
+  return tops
+
+
+def test_only_the_registry_and_the_backends_import_a_backend():
+  """Models, the library and the experiments reach a backend through the registry
+  (`kvpage.device.backends`), never a backend's own modules (the CPU kernels, Pallas)."""
+  assert len(BACKEND_MODULES) >= 3, BACKEND_MODULES  # xla, cpu, pallas at least
+  assert violations(ROOT, _outside_backends(), BACKEND_MODULES) == []
+
+
+def test_only_the_registry_dispatches_on_a_run_choice():
+  """No comparison involving a run choice (`attention_impl == "mosaic"`) outside the
+  backends seam: which code runs is decided in one place."""
+  found = []
+  for top in _outside_backends():
+    for _, path in walk(ROOT, top):
+      source = path.read_text()
+      for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+          text = ast.get_source_segment(source, node) or ""
+          if any(choice in text for choice in RUN_CHOICES):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+  assert found == []
+
+
+def test_the_contract_imports_nothing_from_the_host():
+  """`kvpage/interface.py` is the ground floor: the host world builds on it, not under it."""
+  assert violations(ROOT, ["kvpage/interface.py"], ["kvpage.host"]) == []
+
+
 def test_host_world_runs_without_jax():
   """Importing every host-world module leaves jax and the device world out of sys.modules."""
   names = [name for top in HOST_WORLD for name, _ in walk(ROOT, top)]
@@ -255,7 +301,7 @@ def test_walk_finds_every_world():
   assert 15 <= len(names) <= 60 and len(set(names)) == len(names)
   assert all(any(walk(ROOT, top)) for top in HOST_WORLD + PROJECT)
   project = {name for top in PROJECT for name, _ in walk(ROOT, top)}
-  assert {"kvpage.device.executor", "kvpage.device.attention.pallas.decode", "models.llama",
+  assert {"kvpage.device.executor", "kvpage.device.backends.pallas.decode", "models.llama",
           "configs.tiny", "experiments.serve_bench", "benchmarks.timing"} <= project
 
 

@@ -5,8 +5,8 @@ import pytest
 from engine_utils import fake_engine
 
 from configs import scheduler as scheduler_lib
-from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, RequestStatus, SamplingParams
 
 
 def test_a_duplicate_of_a_live_id_ends_rejected_and_leaves_the_live_one_alone():

@@ -8,11 +8,11 @@ import pytest
 from hf_utils import hf_greedy, hf_logits, make_checkpoint
 
 from configs import scheduler as scheduler_lib
-from experiments import build
 from kvpage import batch as batch_lib
+from kvpage import build
 from kvpage.device import cache as paged_cache
-from kvpage.host.request import Request, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, SamplingParams
 from models import hf, llama
 
 SHAPES = {
@@ -72,7 +72,7 @@ def test_greedy_generation_matches_transformers(checkpoint, chunk_size, impl):
   directory, model = checkpoint
   config, params = hf.load(directory)
   config.attention_impl = config.linear_impl = impl
-  engine = build.llama_engine(config, params, scheduler_config(chunk_size), num_pages=64,
+  engine = build.jax_engine(llama, config, params, scheduler_config(chunk_size), num_pages=64,
                               page_size=16)
   requests = engine.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
   for prompt, request in zip(PROMPTS, requests):
@@ -88,7 +88,7 @@ def test_long_prompts_at_high_precision_match_transformers(shape, tmp_path):
   config, params = hf.load(tmp_path)
   config.attention_impl = config.linear_impl = "cpu"
   config.matmul_precision = "high"  # the CPU configs' choice
-  engine = build.llama_engine(config, params, scheduler_config(0), num_pages=64,
+  engine = build.jax_engine(llama, config, params, scheduler_config(0), num_pages=64,
                               page_size=16)
   requests = engine.generate(LONG_PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
   for prompt, request in zip(LONG_PROMPTS, requests):

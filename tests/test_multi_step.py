@@ -14,10 +14,10 @@ from engine_utils import run_streaming
 
 from configs import hardware as hardware_lib
 from configs import scheduler as scheduler_lib
-from experiments import build
+from kvpage import build
 from kvpage.host import scheduler_config as policy
-from kvpage.host.request import Request, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, SamplingParams
 from models import llama
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8]]
@@ -36,7 +36,7 @@ def engine_for(params, *, num_decode_steps: int, async_scheduling: bool = True,
   config.model.attention_impl = attention_impl
   config.scheduler.update(dict(async_scheduling=async_scheduling, watermark=0.0,
                                num_decode_steps=num_decode_steps, **scheduler))
-  engine = build.llama_engine(config.model, params, config.scheduler, num_pages=num_pages,
+  engine = build.jax_engine(llama, config.model, params, config.scheduler, num_pages=num_pages,
                               page_size=16)
   engine.launches = []  # (num_steps, [each sequence's iterations]) of every launch
   engine.on_step = lambda output, new_tokens, finished: engine.launches.append(

@@ -10,9 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from configs import tiny
-from kvpage import units
+from kvpage import model_shape, units
 from kvpage.device import cache as paged_cache
-from kvpage.sim import capacity
 
 MODEL = tiny.get_config().model
 
@@ -37,11 +36,12 @@ def slots_for(pages: np.ndarray, start: int, count: int, page_size: int) -> np.n
 def test_init_shapes_and_budget():
   cache = paged_cache.init(MODEL, num_pages=10, page_size=16)
   assert cache.k_pages.shape == (4, 2, 10, 16, 64) and cache.dtype == jnp.float32
-  per_page = capacity.kv_bytes_per_token(capacity.ModelShape.from_config(MODEL), "fp32") * 16
+  per_page = model_shape.kv_bytes_per_token(model_shape.ModelShape.from_config(MODEL), "fp32") * 16
   assert paged_cache.num_pages_for_budget(MODEL, memory_bytes=per_page * 37 + 5,
                                           page_size=16) == 37
-  cache = paged_cache.init_from_budget(MODEL, memory_bytes=per_page * 8, page_size=16,
-                                       dtype="bf16")
+  num_pages = paged_cache.num_pages_for_budget(MODEL, memory_bytes=per_page * 8,
+                                               page_size=16, dtype="bf16")
+  cache = paged_cache.init(MODEL, num_pages=num_pages, page_size=16, dtype="bf16")
   assert cache.num_pages == 16 and cache.dtype == jnp.bfloat16  # bf16 halves the page bytes
   assert cache.num_bytes == per_page * 8
   with pytest.raises(ValueError, match="null page"):

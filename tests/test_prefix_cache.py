@@ -18,15 +18,15 @@ from test_scheduler_traffic import Pick, check_pages, heavy_plan, make_scheduler
 
 from configs import llama_13b
 from configs import scheduler as scheduler_lib
-from experiments import build
+from kvpage import build, model_shape
 from kvpage.host import prefix_cache
 from kvpage.host.engine import Engine
 from kvpage.host.pages import PagePool
-from kvpage.host.request import SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.metrics import MetricsRecorder
+from kvpage.request import SamplingParams
 from kvpage.serve.metrics import ServerMetrics
 from kvpage.sim import capacity, workload
-from kvpage.sim.metrics import MetricsRecorder
 from models import llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -206,7 +206,7 @@ def test_greedy_tokens_do_not_change_with_prefix_caching(mode, async_scheduling,
   sampling = SamplingParams(max_tokens=16, ignore_eos=True)
   outputs, stats = {}, {}
   for caching in (False, True):
-    engine = build.llama_engine(config.model, params, config.scheduler, num_pages=14,
+    engine = build.jax_engine(llama, config.model, params, config.scheduler, num_pages=14,
                                 page_size=8, num_host_pages=24, prefix_caching=caching)
     requests = []
     for i in range(0, len(prompts), 2):  # two arrivals every third step
@@ -273,7 +273,7 @@ def test_a_shared_prefix_workload_puts_one_of_the_prefixes_before_each_prompt():
 
 
 def test_the_capacity_report_counts_shared_prefix_pages_once():
-  model = capacity.ModelShape.from_config(llama_13b.get_config().model)
+  model = model_shape.ModelShape.from_config(llama_13b.get_config().model)
   plan = capacity.plan(model, seq_len=1536, memory_bytes=80 * 2**30, weight_dtype="fp16",
                        kv_dtype="fp16", page_size=16)
   shared = 1024 // 16

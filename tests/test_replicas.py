@@ -12,9 +12,9 @@ import pytest
 import tiny_config
 from engine_utils import FakeExecutor, fake_engine
 
-from experiments import build
+from kvpage import build
 from kvpage.host.replicas import Replicas
-from kvpage.host.request import RequestStatus, SamplingParams
+from kvpage.request import RequestStatus, SamplingParams
 from models import llama
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1, 8], [6, 6, 6],
@@ -27,10 +27,10 @@ def test_two_replicas_generate_the_tokens_one_engine_does():
   config.scheduler.watermark = 0.0
   params = llama.random_init(config.model, seed=0)
   samplings = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
-  one = build.llama_engine(config.model, params, config.scheduler, num_pages=64,
+  one = build.jax_engine(llama, config.model, params, config.scheduler, num_pages=64,
                            page_size=16)
   expected = [r.output_ids for r in one.generate(PROMPTS, samplings)]
-  replicas = build.llama_replicas(config.model, params, config.scheduler, replicas=2,
+  replicas = build.jax_replicas(llama, config.model, params, config.scheduler, replicas=2,
                                   num_pages=32, page_size=16)
   requests = replicas.generate(PROMPTS, samplings)
   assert [r.output_ids for r in requests] == expected  # in the caller's order
@@ -91,5 +91,5 @@ def test_replicas_need_distinct_engines():
   with pytest.raises(ValueError, match="distinct engines"):
     Replicas([engine, engine])
   with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
-    build.llama_replicas(tiny_config.get_config().model, {}, None, replicas=0,
+    build.jax_replicas(llama, tiny_config.get_config().model, {}, None, replicas=0,
                          num_pages=8, page_size=16)

@@ -7,8 +7,8 @@ known before a step was priced, the cap holds, and jitter is seeded."""
 import pytest
 
 from configs import scheduler as scheduler_lib
-from kvpage.host.request import Request, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, SamplingParams
 
 STEP_S = 0.1  # every step in these tests takes this long
 

@@ -3,8 +3,8 @@ sets: a 503'd request holds its pages, so a newcomer cannot take them and the cl
 returning with its id is admitted; a reservation lapses after its grace period."""
 
 from configs import scheduler as scheduler_lib
-from kvpage.host.request import Request, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, SamplingParams
 
 
 class Clock:

@@ -6,8 +6,8 @@ import pytest
 from configs import llama_13b, tiny
 from configs import scheduler as scheduler_config
 from kvpage.host import scheduler_config as policy
-from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, RequestStatus, SamplingParams
 
 
 class FakeClock:

@@ -18,8 +18,8 @@ with a 2,048-token budget):
 import pytest
 
 from configs import scheduler as scheduler_config
-from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, RequestStatus, SamplingParams
 
 NUM_PAGES, PAGE_SIZE, PROMPT, OUTPUT = 100, 16, 200, 50
 

@@ -34,8 +34,8 @@ from hypothesis import strategies as st
 from configs import scheduler as scheduler_config
 from kvpage.host import scheduler_config as policy
 from kvpage.host.engine import Engine, RequestOutput
-from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Admission, Scheduler, SchedulerOutput
+from kvpage.request import Request, RequestStatus, SamplingParams
 from kvpage.units import NULL_PAGE
 
 MAX_MODEL_LEN = 64

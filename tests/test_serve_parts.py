@@ -15,14 +15,14 @@ from hypothesis import strategies as st
 from serve_utils import make_served_checkpoint
 
 from configs import scheduler as scheduler_lib
-from kvpage.host.request import Request, RequestStatus, SamplingParams
+from kvpage.clock import PacedClock
 from kvpage.host.scheduler import Scheduler
+from kvpage.request import Request, RequestStatus, SamplingParams
 from kvpage.serve import protocol
 from kvpage.serve.app import MAX_RETRY_AFTER_S, push_back_headers
 from kvpage.serve.detokenize import IncrementalDetokenizer, StopStrings
 from kvpage.serve.engine_loop import Delta, EngineLoop, EngineStoppedError, Stream, Submission
 from kvpage.serve.metrics import ServerMetrics
-from kvpage.sim.clock import PacedClock
 
 transformers = pytest.importorskip("transformers")
 

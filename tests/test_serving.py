@@ -8,9 +8,9 @@ import tiny_config
 
 from configs import hardware as hardware_lib
 from configs import llama_13b
-from experiments import build
-from kvpage.host.request import SamplingParams
-from kvpage.sim import capacity, metrics, replay, workload
+from kvpage import build, metrics, model_shape, sizing
+from kvpage.request import SamplingParams
+from kvpage.sim import capacity, replay, workload
 from models import llama
 
 A100 = hardware_lib.get_hardware("a100_80gb")
@@ -36,7 +36,7 @@ def run(engine, trace, *, per_step=None):
 def sim_13b(scheduler_overrides=None):
   config = llama_13b.get_config()
   config.scheduler.update(scheduler_overrides or {})
-  num_pages = build.sim_memory_plan(config, A100).num_pages
+  num_pages = sizing.sim_memory_plan(config, A100).num_pages
   return build.sim_engine(config.model, A100, config.scheduler, num_pages=num_pages,
                           page_size=16), config
 
@@ -62,8 +62,8 @@ def test_capacity_cross_check_fully_grown_4k_requests():
   engine, config = sim_13b(dict(watermark=0.0, max_num_seqs=64, prefill_policy="none",
                                 max_num_batched_tokens=30 * 4096))
   # The pool is the memory plan's: 90% of the device, less weights and activations.
-  memory = build.sim_memory_plan(config, A100)
-  plan = capacity.plan(capacity.ModelShape.from_config(config.model), seq_len=4096,
+  memory = sizing.sim_memory_plan(config, A100)
+  plan = capacity.plan(model_shape.ModelShape.from_config(config.model), seq_len=4096,
                        weight_dtype="fp16", memory_bytes=memory.usable_bytes,
                        reserve_bytes=memory.activation_bytes)
   assert memory.num_pages - 1 == plan.pool_pages - 1  # the null page is one of the pool's
@@ -141,7 +141,7 @@ def tiny_params():
 def tiny_engine(tiny_params, num_pages, **overrides):
   config = tiny_config.get_config()
   config.scheduler.update(overrides)
-  return build.llama_engine(config.model, tiny_params, config.scheduler, num_pages=num_pages,
+  return build.jax_engine(llama, config.model, tiny_params, config.scheduler, num_pages=num_pages,
                             page_size=16, num_host_pages=config.scheduler.num_host_pages)
 
 

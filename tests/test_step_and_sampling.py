@@ -9,12 +9,12 @@ import pytest
 import tiny_config
 
 from configs import scheduler as scheduler_lib
-from experiments import build
 from kvpage import batch as batch_lib
+from kvpage import build
 from kvpage.device import sampling
 from kvpage.device import step as step_lib
-from kvpage.host.request import Request, SamplingParams
 from kvpage.interface import ScheduledSequence
+from kvpage.request import Request, SamplingParams
 from kvpage.sim import replay, workload
 from models import llama
 
@@ -27,7 +27,7 @@ def params():
 
 
 def tiny_engine(params, **kwargs):
-  return build.llama_engine(MODEL, params, scheduler_lib.get_scheduler_config(),
+  return build.jax_engine(llama, MODEL, params, scheduler_lib.get_scheduler_config(),
                             num_pages=128, page_size=16, **kwargs)
 
 
@@ -120,7 +120,7 @@ def test_step_donates_the_cache(params):
 def test_warmup_compiles_every_shape_serving_then_uses(params):
   config = tiny_config.get_config()
   config.scheduler.update(dict(max_num_seqs=8, max_num_batched_tokens=64, chunk_size=32))
-  engine = build.llama_engine(MODEL, params, config.scheduler, num_pages=64, page_size=16)
+  engine = build.jax_engine(llama, MODEL, params, config.scheduler, num_pages=64, page_size=16)
   num_programs = engine.executor.warmup(8, 64)
   assert engine.executor.num_compiles == num_programs == 4 + 4  # decode 1-8, mixed 8-64
   trace = workload.synthesize(num_requests=12, arrival_rate=float("inf"),

@@ -12,13 +12,13 @@ import pytest
 
 from configs import hardware as hardware_lib
 from configs import llama_13b, yi_34b
-from experiments import build
+from kvpage import build, metrics, model_shape, sizing
 from kvpage.sim import calibration, capacity, step_model
 from kvpage.sim.step_model import StepModel, StepRates
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 A100 = hardware_lib.get_hardware("a100_80gb")
-LLAMA_13B = capacity.ModelShape.from_config(llama_13b.get_config().model)
+LLAMA_13B = model_shape.ModelShape.from_config(llama_13b.get_config().model)
 PROFILES = ROOT / "configs" / "calibrations" / "sarathi-serve"
 
 
@@ -68,8 +68,9 @@ def test_tensor_parallel_splits_the_work_and_prices_two_all_reduces_a_layer():
   assert b.parts["allreduce"] == pytest.approx(80 * (2e-5 + ring / 300e9))
   # Fewer KV heads than devices: each device keeps one (replicated), not a fraction.
   gqa = dataclasses.replace(LLAMA_13B, num_kv_heads=2)
-  assert capacity.kv_heads_per_device(gqa, 4) == 1
-  assert capacity.kv_bytes_per_token(gqa, "fp16", 4) == capacity.kv_bytes_per_token(gqa, "fp16", 2)
+  assert model_shape.kv_heads_per_device(gqa, 4) == 1
+  assert (model_shape.kv_bytes_per_token(gqa, "fp16", 4)
+          == model_shape.kv_bytes_per_token(gqa, "fp16", 2))
 
 
 @pytest.mark.parametrize("model,tp,message", [
@@ -80,11 +81,11 @@ def test_tensor_parallel_splits_the_work_and_prices_two_all_reduces_a_layer():
 ])
 def test_shapes_that_cannot_split_are_refused(model, tp, message):
   with pytest.raises(ValueError, match=message):
-    capacity.check_tensor_parallel(model, tp)
+    model_shape.check_tensor_parallel(model, tp)
 
 
 def test_capacity_is_per_device_over_a_tensor_parallel_group():
-  yi = capacity.ModelShape.from_config(yi_34b.get_config().model)
+  yi = model_shape.ModelShape.from_config(yi_34b.get_config().model)
   one = capacity.plan(yi, seq_len=4096, memory_bytes=A100.memory_bytes, weight_dtype="fp16")
   two = capacity.plan(yi, seq_len=4096, memory_bytes=A100.memory_bytes, weight_dtype="fp16",
                       tensor_parallel=2)
@@ -229,19 +230,19 @@ def test_a_simulated_runs_steps_calibrate_back_to_its_rates(tmp_path):
 
 
 def test_padded_counts_pad_rows_and_tokens_as_the_engine_runs_them():
-  decode = step_model.step_counts([(1, 100)] * 3)
+  decode = metrics.step_counts([(1, 100)] * 3)
   assert step_model.padded_counts(decode, 4, 4) == dict(decode, num_tokens=4, num_sequences=4,
                                                         num_sampled=4)
-  mixed = step_model.step_counts([(40, 40), (1, 100)])
+  mixed = metrics.step_counts([(40, 40), (1, 100)])
   assert step_model.padded_counts(mixed, 64, 64) == dict(mixed, num_tokens=64, num_sequences=64)
   # With the longest decode context, every row reads that far (kvpage's decode pass).
   ragged = [(1, 100), (1, 30), (1, 250)]
-  longest = step_model.longest_decode(ragged)
-  assert longest == 250 and step_model.longest_decode([(40, 40)]) == 0
-  assert step_model.padded_counts(step_model.step_counts(ragged), 4, 4, longest)[
+  longest = metrics.longest_decode(ragged)
+  assert longest == 250 and metrics.longest_decode([(40, 40)]) == 0
+  assert step_model.padded_counts(metrics.step_counts(ragged), 4, 4, longest)[
       "decode_context"] == 4 * 250
   assert step_model.padded_counts(mixed, 64, 64, 100)["decode_context"] == 64 * 100
-  prompts_only = step_model.step_counts([(40, 40)])
+  prompts_only = metrics.step_counts([(40, 40)])
   assert step_model.padded_counts(prompts_only, 64, 64, 0)["decode_context"] == 0
   with pytest.raises(ValueError, match="padded_work must be true or false"):
     StepRates.from_dict(dict(KNOWN.to_dict(), padded_work="yes"))
@@ -303,12 +304,12 @@ def test_the_real_path_refuses_what_only_the_simulator_can_run():
   from configs import opt_13b
 
   with pytest.raises(ValueError, match="simulator and the capacity model only"):
-    build.check_runnable(opt_13b.get_config())
+    sizing.check_runnable(opt_13b.get_config())
   # In this process JAX sees one device (tests/multi_device runs with more).
   with pytest.raises(ValueError, match=r"mesh\.tensor_parallel=2 needs 2 devices and JAX "
                                        r"sees 1; on CPU, XLA_FLAGS="):
-    build.check_runnable(yi_34b.get_config())
-  build.check_runnable(llama_13b.get_config())  # a Llama on one device runs
+    sizing.check_runnable(yi_34b.get_config())
+  sizing.check_runnable(llama_13b.get_config())  # a Llama on one device runs
 
 
 def test_the_capacity_report_is_per_device_under_tensor_parallel():

@@ -22,10 +22,10 @@ import pytest
 import serve_utils
 import tiny_config
 
-from experiments import build
 from kvpage import batch as batch_lib
+from kvpage import build, sizing
 from kvpage.device import sharding
-from kvpage.host.request import SamplingParams
+from kvpage.request import SamplingParams
 from models import hf, llama
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -56,7 +56,7 @@ def test_on_four_devices():
 def _engine(model, params, tensor_parallel, *, num_pages=64, **scheduler):
   config = tiny_config.get_config()
   config.scheduler.update(scheduler)
-  return build.llama_engine(model, params, config.scheduler, num_pages=num_pages, page_size=16,
+  return build.jax_engine(llama, model, params, config.scheduler, num_pages=num_pages, page_size=16,
                             num_host_pages=config.scheduler.num_host_pages,
                             tensor_parallel=tensor_parallel)
 
@@ -227,7 +227,7 @@ def test_shapes_that_cannot_split_are_refused_before_anything_runs():
   config = tiny_config.get_config()  # 4 query heads, 2 KV heads, FFN 512
   config.mesh.tensor_parallel = 3
   with pytest.raises(ValueError, match="num_heads=4 does not split over tensor_parallel=3"):
-    build.check_runnable(config)
+    sizing.check_runnable(config)
   result = subprocess.run(
       [sys.executable, "-m", "experiments.generate", "--config=configs/tiny.py",
        "--tensor_parallel=8"], cwd=ROOT, env=_env(8), capture_output=True, text=True,
@@ -240,7 +240,7 @@ def test_shapes_that_cannot_split_are_refused_before_anything_runs():
 def test_the_real_memory_plan_is_one_devices():
   config = tiny_config.get_config()
   config.mesh.tensor_parallel = 2
-  plan = build.real_memory_plan(config, config.model)
+  plan = sizing.real_memory_plan(llama, config, config.model)
   engine = _engine(config.model, llama.random_init(config.model, seed=0), 2)
   held = sharding.device_bytes(engine.executor.params)
   assert set(held.values()) == {plan.weight_bytes}

@@ -10,9 +10,9 @@ import ml_collections
 
 from configs import scheduler as scheduler_lib
 from configs import tiny
-from experiments import build
+from kvpage import build
 from kvpage.host.engine import Engine
-from kvpage.host.request import SamplingParams
+from kvpage.request import SamplingParams
 from models import llama
 
 NUM_LAYERS = 2
@@ -33,7 +33,7 @@ def mixed_step_engine(chunk_size: int = 8, num_pages: int = 32, **model_fields) 
   model.update(model_fields)
   scheduler_config = scheduler_lib.get_scheduler_config()
   scheduler_config.chunk_size = chunk_size
-  return build.llama_engine(model, llama.random_init(model, seed=3), scheduler_config,
+  return build.jax_engine(llama, model, llama.random_init(model, seed=3), scheduler_config,
                             num_pages=num_pages, page_size=4)
 
 

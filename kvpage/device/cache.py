@@ -29,9 +29,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvpage import batch as batch_lib
-from kvpage import units
+from kvpage import model_shape, units
 from kvpage.device import sharding as sharding_lib
-from kvpage.sim import capacity
 
 
 def jnp_dtype(dtype: Any) -> jnp.dtype:
@@ -84,7 +83,7 @@ class PagedKVCache:
 
 
 def _model_dims(model_config: Mapping[str, Any] | Any) -> tuple[int, int, int]:
-  shape = capacity.ModelShape.from_config(model_config)
+  shape = model_shape.ModelShape.from_config(model_config)
   return shape.num_layers, shape.num_kv_heads, shape.head_dim
 
 
@@ -121,7 +120,7 @@ def init(model_config: Mapping[str, Any] | Any, *, num_pages: int, page_size: in
 def num_pages_for_budget(model_config: Mapping[str, Any] | Any, *, memory_bytes: int,
                          page_size: int, dtype: Any = None) -> int:
   """Pages (null page included) that a KV budget of `memory_bytes` holds."""
-  shape = capacity.ModelShape.from_config(model_config)
+  shape = model_shape.ModelShape.from_config(model_config)
   itemsize = jnp_dtype(dtype or model_config["dtype"]).itemsize
   page_bytes = 2 * itemsize * shape.num_layers * shape.num_kv_heads * shape.head_dim * page_size
   num_pages = memory_bytes // page_bytes
@@ -129,14 +128,6 @@ def num_pages_for_budget(model_config: Mapping[str, Any] | Any, *, memory_bytes:
     raise ValueError(f"a KV budget of {memory_bytes:,} bytes holds {num_pages} pages of "
                      f"{page_bytes:,} bytes; at least 2 are needed (page 0 is the null page)")
   return int(num_pages)
-
-
-def init_from_budget(model_config: Mapping[str, Any] | Any, *, memory_bytes: int,
-                     page_size: int, dtype: Any = None) -> PagedKVCache:
-  """A cache sized to a memory budget (e.g. `kvpage.sim.capacity.plan(...).kv_pool_bytes`)."""
-  num_pages = num_pages_for_budget(model_config, memory_bytes=memory_bytes,
-                                   page_size=page_size, dtype=dtype)
-  return init(model_config, num_pages=num_pages, page_size=page_size, dtype=dtype)
 
 
 def write(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array,

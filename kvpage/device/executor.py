@@ -33,7 +33,7 @@ from kvpage.device import cache as paged_cache
 from kvpage.device import sharding
 from kvpage.device.sharding import TensorParallel
 from kvpage.device.step import ForwardFn, Step
-from kvpage.interface import Executor, Samples, SchedulerOutput
+from kvpage.interface import CostTraits, Executor, Samples, SchedulerOutput
 
 
 def transfer_guard(level: str = "disallow") -> contextlib.AbstractContextManager[None]:
@@ -57,21 +57,21 @@ class JaxExecutor(Executor):
                num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None,
                tensor_parallel: TensorParallel | None = None,
                param_axes: Callable[[tuple[str, ...]], Sequence[str | None]] | None = None,
-               guard: str = "disallow", decode_reads_longest: bool = False,
+               guard: str = "disallow", traits: CostTraits | None = None,
                step: Step | None = None):
     """`forward`: the model's step function (with `tensor_parallel`, the sharded
     model's); `cache`: laid out by `tensor_parallel.cache` when given; `param_axes`:
     the model's logical names of each parameter's dimensions, which place `params`
     on the mesh (`kvpage.device.sharding.param_shardings`); `guard`: the transfer
-    guard's level on the serving path ("allow" only where a kernel interpreter does
-    implicit transfers of its own, as Mosaic GPU's on CPU does); `decode_reads_longest`:
-    the model's attention reads every decode row as far as the longest (the XLA path),
-    which `steps.jsonl` then records for a calibration; `step`: a jitted step to share
+    guard's level on the serving path ("log" only where a kernel interpreter does
+    implicit transfers of its own, as Mosaic GPU's on CPU does); `traits`: the model's
+    backend's (`kvpage.device.backends.traits`), which `steps.jsonl` then records for a
+    calibration; `step`: a jitted step to share
     with other executors over the same model and pool shape (replicas,
     `kvpage.host.replicas`), so each program compiles once for all of them and
     `num_compiles` counts theirs together (default: a new one over `forward`)."""
     self.tensor_parallel = tensor_parallel
-    self._decode_reads_longest = decode_reads_longest
+    self._traits = traits or CostTraits()
     self.guard = guard
     # Once, explicitly: params handed over as numpy would otherwise cross to the
     # device at every step.
@@ -101,8 +101,8 @@ class JaxExecutor(Executor):
     return self.step.num_compiles
 
   @property
-  def decode_reads_longest(self) -> bool:
-    return self._decode_reads_longest
+  def traits(self) -> CostTraits:
+    return self._traits
 
   def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
     """The batch's padded `(tokens, sequences)` (`Buckets.padded_shape`)."""

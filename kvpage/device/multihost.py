@@ -28,7 +28,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from kvpage.device.executor import JaxExecutor, Ticket
-from kvpage.interface import Executor, Samples, SchedulerOutput
+from kvpage.interface import CostTraits, Executor, Samples, SchedulerOutput
 
 _MIN_MESSAGE_BYTES = 256
 
@@ -98,8 +98,8 @@ class Leader(Executor):
     return self.executor.step_shape(output)
 
   @property
-  def decode_reads_longest(self) -> bool:
-    return self.executor.decode_reads_longest
+  def traits(self) -> CostTraits:
+    return self.executor.traits
 
   def submit(self, output: SchedulerOutput) -> Ticket:
     self._send(("submit", output))

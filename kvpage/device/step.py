@@ -1,7 +1,7 @@
 """The jitted step: one ragged mixed batch through the model, sampled ids back to the host.
 
 `Step` wraps a model's forward function `(params, cache, batch) -> (logits, cache)`
-(kvpage never imports a model: experiments pass one in) and jits it once, at the
+(kvpage never imports a model: `kvpage.build` is handed one) and jits it once, at the
 boundary: the cache is donated so XLA updates the page pool in place, the batch
 arrives already padded to buckets so shapes repeat, and the only static argument is
 whether the sampler can be skipped. `num_compiles` counts traces (a new shape or

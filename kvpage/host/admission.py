@@ -44,37 +44,15 @@ Pure Python: never imports jax.
 """
 
 import collections
-import dataclasses
 
 import ml_collections
 
 from kvpage.host import prefix_cache
 from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
-from kvpage.host.request import Request
 from kvpage.host.wait_estimate import WaitEstimator
-
-OK, BAD_REQUEST, TOO_MANY_REQUESTS, SERVICE_UNAVAILABLE = 200, 400, 429, 503
-
-
-@dataclasses.dataclass(frozen=True)
-class Admission:
-  """The gateway's answer to one request: an HTTP-like status, why, and when to retry."""
-
-  status: int
-  reason: str = ""
-  retry_after: float | None = None
-  request_id: str = ""
-  # Which check answered, as a stable code a gateway can send on (the `reason` is prose):
-  # "admitted"; the 400s "empty_prompt", "context_length_exceeded", "exceeds_pool",
-  # "invalid_token_ids", "exceeds_watermark", "duplicate_request_id"; the 503
-  # "kv_pressure"; the 429s "queue_full" and "wait_deadline" (the forecast wait exceeds
-  # the request's own `max_queue_wait_s`).
-  cause: str = "admitted"
-
-  @property
-  def admitted(self) -> bool:
-    return self.status == OK
+from kvpage.interface import BAD_REQUEST, OK, SERVICE_UNAVAILABLE, TOO_MANY_REQUESTS, Admission
+from kvpage.request import Request
 
 
 class AdmissionControl:

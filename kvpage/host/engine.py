@@ -23,9 +23,9 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from kvpage.host.request import Request, RequestStatus, SamplingParams
 from kvpage.host.scheduler import Admission, Scheduler
 from kvpage.interface import Executor, Samples, SchedulerOutput
+from kvpage.request import Request, RequestStatus, SamplingParams
 
 MAX_IDLE_STEPS = 1000  # empty steps in a row before `generate` declares a stall
 

@@ -39,7 +39,7 @@ import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvpage.host.request import Request
+from kvpage.request import Request
 from kvpage.units import cdiv
 
 

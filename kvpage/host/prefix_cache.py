@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-  from kvpage.host.request import Request
+  from kvpage.request import Request
 
 _ROOT = b"kvpage-prefix-root"
 

@@ -27,7 +27,7 @@ import threading
 from collections.abc import Sequence
 
 from kvpage.host.engine import Engine
-from kvpage.host.request import Request, SamplingParams
+from kvpage.request import Request, SamplingParams
 
 
 class Replicas:
@@ -42,10 +42,6 @@ class Replicas:
                        "be stepped from two threads at once")
     self.engines = engines
     self._ids = itertools.count()  # request ids unique across the engines
-
-  @property
-  def num_replicas(self) -> int:
-    return len(self.engines)
 
   def assign(self, prompts: Sequence[Sequence[int]],
              samplings: Sequence[SamplingParams]) -> list[int]:

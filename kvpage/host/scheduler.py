@@ -57,17 +57,19 @@ from typing import Any, cast
 import ml_collections
 
 from kvpage.host import multi_step, prefix_cache, scheduler_config
-from kvpage.host.admission import TOO_MANY_REQUESTS, Admission, AdmissionControl
+from kvpage.host.admission import AdmissionControl
 from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
-from kvpage.host.request import Request, RequestStatus
 from kvpage.interface import (
+  TOO_MANY_REQUESTS,
+  Admission,
   Preemption,
   ScheduledSequence,
   SchedulerOutput,
   make_sequence,
   tokens_of,
 )
+from kvpage.request import Request, RequestStatus
 
 __all__ = ["Admission", "Preemption", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 

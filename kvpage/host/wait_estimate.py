@@ -46,8 +46,8 @@ import ml_collections
 
 from kvpage.host import forecast
 from kvpage.host.pages import PagePool
-from kvpage.host.request import Request
 from kvpage.host.step_cost import StepCostModel
+from kvpage.request import Request
 from kvpage.units import cdiv
 
 

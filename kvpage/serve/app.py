@@ -48,9 +48,9 @@ import prometheus_client
 from fastapi import responses
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpage.host.admission import SERVICE_UNAVAILABLE, Admission
 from kvpage.host.engine import Engine
-from kvpage.host.request import SamplingParams
+from kvpage.interface import SERVICE_UNAVAILABLE, Admission
+from kvpage.request import SamplingParams
 from kvpage.serve import protocol
 from kvpage.serve.engine_loop import (
   Delta,
@@ -81,6 +81,8 @@ class ServerConfig:
   kv_pressure_status: int = SERVICE_UNAVAILABLE  # or 429
   drain_timeout_s: float = 30.0
   eos_token_ids: tuple[int, ...] = ()
+  # What computes the model's ops (`kvpage.device.backends.describe`), for /v1/models.
+  backends: dict[str, Any] | None = None
 
 
 def push_back_headers(retry_after_s: float | None, reason: str) -> dict[str, str]:
@@ -424,7 +426,8 @@ def make_app(gateway: Gateway) -> fastapi.FastAPI:
   async def models() -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": gateway.config.model_name, "object": "model", "created": gateway.created,
-        "owned_by": "kvpage", "max_model_len": gateway.config.max_model_len}]}
+        "owned_by": "kvpage", "max_model_len": gateway.config.max_model_len,
+        **({"kvpage_backends": gateway.config.backends} if gateway.config.backends else {})}]}
 
   @app.get("/health")
   async def health() -> responses.JSONResponse:

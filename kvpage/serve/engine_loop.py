@@ -29,9 +29,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpage.host.admission import Admission
 from kvpage.host.engine import Engine, RequestOutput
-from kvpage.host.request import Request, RequestStatus, SamplingParams
+from kvpage.interface import Admission
+from kvpage.request import Request, RequestStatus, SamplingParams
 from kvpage.serve.detokenize import IncrementalDetokenizer, StopStrings, Tokenizer
 from kvpage.serve.metrics import FINISH_REASONS, ServerMetrics
 

@@ -1,6 +1,6 @@
 """`/metrics`: the server's figures in Prometheus text, named like vLLM's (`kvpage:`).
 
-Every per-request figure comes from `kvpage.sim.metrics.MetricsRecorder`, the recorder
+Every per-request figure comes from `kvpage.metrics.MetricsRecorder`, the recorder
 `serve_bench` uses, so a TTFT here and a TTFT in a serve_bench summary are the same
 definition (arrival at the scheduler to the step that sampled the first token). The
 recorder runs without history: a request's row is read once, when it ends, and
@@ -16,8 +16,8 @@ from typing import Any
 
 import prometheus_client as prom
 
-from kvpage.host.request import Request
-from kvpage.sim.metrics import MetricsRecorder
+from kvpage.metrics import MetricsRecorder
+from kvpage.request import Request
 
 # Latency buckets (seconds), vLLM's ranges: TTFT and queue time from 1 ms, token gaps
 # from 10 ms, end to end from 0.3 s.

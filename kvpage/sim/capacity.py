@@ -11,104 +11,28 @@ a reserve for activations and workspace, and a pool of KV pages with what is lef
 a paged cache (PagedAttention, Kwon et al., SOSP'23) hands a request whole pages
 of `page_size` tokens, so a request of S tokens occupies ceil(S / page_size) pages.
 
-Pure Python: this module never imports jax, so admission control can use it.
+The shapes and bytes themselves (`ModelShape`, KV and weight bytes) are
+`kvpage.model_shape`'s, which real runs use too. Pure Python: never imports jax.
 """
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-from kvpage.units import canonical_dtype, cdiv, dtype_bytes
+from kvpage.model_shape import (
+    ModelShape,
+    check_positive,
+    check_tensor_parallel,
+    kv_bytes_per_token,
+    weight_bytes,
+)
+from kvpage.units import canonical_dtype, cdiv
 
 DEFAULT_PAGE_SIZE = 16
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-  """The dimensions of a decoder-only Transformer that memory depends on."""
-
-  num_layers: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  d_model: int
-  ffn_dim: int
-  vocab_size: int
-  tie_embeddings: bool = False
-  name: str = "model"
-  ffn_matrices: int = 3  # SwiGLU's gate, up, down; 2 for a plain MLP (OPT's fc1, fc2)
-  learned_positions: int = 0  # rows of a learned position table (OPT), 0 for RoPE
-
-  def __post_init__(self):
-    for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "d_model",
-                  "ffn_dim", "vocab_size"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{self.name}: {field} must be a positive integer, got {value!r}")
-    if self.ffn_matrices not in (2, 3):
-      raise ValueError(f"{self.name}: ffn_matrices must be 2 (plain MLP) or 3 (SwiGLU), "
-                       f"got {self.ffn_matrices!r}")
-    if not isinstance(self.learned_positions, int) or self.learned_positions < 0:
-      raise ValueError(f"{self.name}: learned_positions must be an integer >= 0, "
-                       f"got {self.learned_positions!r}")
-    if self.num_heads % self.num_kv_heads:
-      raise ValueError(
-          f"{self.name}: num_kv_heads={self.num_kv_heads} must divide "
-          f"num_heads={self.num_heads} (GQA shares each KV head among a whole group)"
-      )
-
-  @classmethod
-  def from_config(cls, config: Mapping[str, Any] | Any) -> "ModelShape":
-    """Builds from a model config section (a ConfigDict or any mapping with these keys)."""
-    get = config.get if hasattr(config, "get") else lambda key, default=None: getattr(
-        config, key, default)
-    fields = {f.name for f in dataclasses.fields(cls)}
-    values = {name: get(name) for name in fields if get(name) is not None}
-    return cls(**values)
-
-  @property
-  def group_size(self) -> int:
-    """Query heads per KV head (1 for MHA)."""
-    return self.num_heads // self.num_kv_heads
-
-
-def _check_positive(name: str, value: int) -> None:
-  if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-    raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def check_tensor_parallel(model: ModelShape, tensor_parallel: int) -> None:
-  """Raises ValueError unless `model` splits over `tensor_parallel` devices: query heads
-  and FFN features must divide evenly; KV heads must divide evenly or,
-  when there are fewer of them than devices, divide the device count (each is then
-  replicated, as vLLM does)."""
-  _check_positive("tensor_parallel", tensor_parallel)
-  tp = tensor_parallel
-  for field in ("num_heads", "ffn_dim"):  # the vocabulary is padded, as vLLM pads it
-    if getattr(model, field) % tp:
-      raise ValueError(f"{model.name}: {field}={getattr(model, field)} does not split over "
-                       f"tensor_parallel={tp} devices")
-  kv = model.num_kv_heads
-  if (kv >= tp and kv % tp) or (kv < tp and tp % kv):
-    raise ValueError(f"{model.name}: num_kv_heads={kv} neither splits over nor replicates "
-                     f"evenly onto tensor_parallel={tp} devices")
-
-
-def kv_heads_per_device(model: ModelShape, tensor_parallel: int = 1) -> int:
-  """KV heads one device holds: its share, or one replicated head when heads < devices."""
-  return max(1, model.num_kv_heads // tensor_parallel)
-
-
-def kv_bytes_per_token(model: ModelShape, dtype: str, tensor_parallel: int = 1) -> int:
-  """Bytes of keys and values one token holds across all layers, on one device of a
-  `tensor_parallel` group (all of them at 1)."""
-  return (2 * dtype_bytes(dtype) * model.num_layers
-          * kv_heads_per_device(model, tensor_parallel) * model.head_dim)
-
-
 def pages_for_tokens(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int:
   """Pages a sequence of `num_tokens` occupies in a paged cache (ceil division)."""
-  _check_positive("page_size", page_size)
+  check_positive("page_size", page_size)
   if num_tokens < 0:
     raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
   return cdiv(num_tokens, page_size)
@@ -117,33 +41,15 @@ def pages_for_tokens(num_tokens: int, page_size: int = DEFAULT_PAGE_SIZE) -> int
 def kv_bytes_per_request(model: ModelShape, dtype: str, seq_len: int,
                          page_size: int | None = None) -> int:
   """KV bytes of one request of `seq_len` tokens; rounded up to whole pages if `page_size`."""
-  _check_positive("seq_len", seq_len)
+  check_positive("seq_len", seq_len)
   tokens = seq_len if page_size is None else pages_for_tokens(seq_len, page_size) * page_size
   return kv_bytes_per_token(model, dtype) * tokens
-
-
-def num_parameters(model: ModelShape) -> int:
-  """Parameters of a decoder: Llama-style (RMSNorm, no biases, SwiGLU, GQA) by default;
-  `ffn_matrices=2` and `learned_positions` give OPT's plain MLP and position table
-  (its biases and LayerNorm shifts, under 0.1% of the weights, are left out)."""
-  d, hd = model.d_model, model.head_dim
-  attention = d * model.num_heads * hd * 2 + d * model.num_kv_heads * hd * 2  # q, o; k, v
-  mlp = model.ffn_matrices * d * model.ffn_dim
-  norms = 2 * d
-  embeddings = model.vocab_size * d * (1 if model.tie_embeddings else 2)
-  return (model.num_layers * (attention + mlp + norms) + d + embeddings
-          + model.learned_positions * d)
-
-
-def weight_bytes(model: ModelShape, dtype: str) -> int:
-  """Bytes of all weights stored in `dtype`."""
-  return num_parameters(model) * dtype_bytes(dtype)
 
 
 def kv_pool_pages(memory_bytes: int, weight_bytes: int, page_bytes: int,
                   reserve_bytes: int = 0) -> int:
   """Pages of `page_bytes` that fit in device memory after the weights and a reserve."""
-  _check_positive("page_bytes", page_bytes)
+  check_positive("page_bytes", page_bytes)
   if reserve_bytes < 0:
     raise ValueError(f"reserve must be >= 0 bytes, got {reserve_bytes}")
   free = memory_bytes - weight_bytes - reserve_bytes
@@ -157,7 +63,7 @@ def kv_pool_pages(memory_bytes: int, weight_bytes: int, page_bytes: int,
 
 def page_waste(seq_len: int, page_size: int = DEFAULT_PAGE_SIZE) -> tuple[int, float]:
   """Token slots a paged cache reserves but leaves empty for one request, and their fraction."""
-  _check_positive("seq_len", seq_len)
+  check_positive("seq_len", seq_len)
   reserved = pages_for_tokens(seq_len, page_size) * page_size
   return reserved - seq_len, (reserved - seq_len) / reserved
 
@@ -199,8 +105,8 @@ def plan(model: ModelShape, *, seq_len: int, memory_bytes: int, weight_dtype: st
   (`weight_bytes_override` too is the whole model's) and of every page (its KV heads),
   so the group holds as many requests as one device's pool does.
   """
-  _check_positive("seq_len", seq_len)
-  _check_positive("page_size", page_size)
+  check_positive("seq_len", seq_len)
+  check_positive("page_size", page_size)
   check_tensor_parallel(model, tensor_parallel)
   kv_dtype = canonical_dtype(kv_dtype or weight_dtype)
   weights = cdiv(weight_bytes(model, weight_dtype) if weight_bytes_override is None
@@ -264,11 +170,11 @@ def fragmentation(lengths: Sequence[int], *, max_len: int,
   A paged cache reserves ceil(length / page_size) pages per sequence; a contiguous
   cache reserves `max_len` slots per sequence, whatever its final length.
   """
-  _check_positive("max_len", max_len)
+  check_positive("max_len", max_len)
   if not lengths:
     raise ValueError("lengths must not be empty")
   for length in lengths:
-    _check_positive("each sequence length", int(length))
+    check_positive("each sequence length", int(length))
     if length > max_len:
       raise ValueError(f"sequence length {length} exceeds max_len={max_len}")
   used = int(sum(lengths))

@@ -27,10 +27,11 @@ is 0.
 
 from collections.abc import Sequence
 
+from kvpage import metrics
 from kvpage.batch import Buckets
-from kvpage.interface import Executor, Samples, SchedulerOutput
+from kvpage.clock import PacedClock, VirtualClock
+from kvpage.interface import CostTraits, Executor, Samples, SchedulerOutput
 from kvpage.sim import step_model
-from kvpage.sim.clock import PacedClock, VirtualClock
 from kvpage.sim.step_model import StepCost, StepModel
 
 DUMMY_TOKEN = 1
@@ -52,9 +53,11 @@ class SimExecutor(Executor):
     return 0
 
   @property
-  def decode_reads_longest(self) -> bool:
-    """As the engine the rates were fit on, when its steps are priced padded."""
-    return self.buckets is not None and self.model.rates.decode_reads_longest
+  def traits(self) -> CostTraits:
+    """As the engine the rates were fit on: its decode rows read to the longest when
+    its steps are priced padded."""
+    return CostTraits(decode_reads_longest=self.buckets is not None
+                      and self.model.rates.decode_reads_longest)
 
   def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
     """The shape the step is priced at: padded to `buckets` when given."""
@@ -65,11 +68,11 @@ class SimExecutor(Executor):
   def _price(self, sequences: Sequence[tuple[int, int]], num_swapped_pages: int = 0,
              num_sampled: int | None = None, *, launch: bool = True) -> StepCost:
     """One forward pass over `(new tokens, context)` per sequence, padded if bucketed."""
-    counts = step_model.step_counts(sequences, num_sampled)
+    counts = metrics.step_counts(sequences, num_sampled)
     if self.buckets is not None and counts["num_sequences"]:
       counts = step_model.padded_counts(
           counts, *self.buckets.padded_shape(counts["num_tokens"], counts["num_sequences"]),
-          step_model.longest_decode(sequences) if self.decode_reads_longest else None)
+          metrics.longest_decode(sequences) if self.traits.decode_reads_longest else None)
     cost = self.model.price(self.model.work_from_counts(
         **counts, num_swapped_pages=num_swapped_pages), launch=launch)
     self.costs.append(cost)

@@ -16,10 +16,10 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 
-from kvpage.host.admission import Admission
+from kvpage.clock import VirtualClock
 from kvpage.host.engine import MAX_IDLE_STEPS, Engine
-from kvpage.host.request import Request, SamplingParams
-from kvpage.sim.clock import VirtualClock
+from kvpage.interface import Admission
+from kvpage.request import Request, SamplingParams
 from kvpage.sim.workload import TraceRequest
 
 

@@ -50,8 +50,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from kvpage import units
-from kvpage.sim import capacity
+from kvpage import metrics, model_shape, units
 from kvpage.sim.hardware import HardwareSpec
 
 PARTS = ("launch", "prefill_launch", "sequences", "linear", "prefill_attention", "decode_attention",
@@ -70,8 +69,8 @@ class StepRates:
   (0 unless calibrated; a file without it reads as 0). `padded_work`: the rates price
   steps padded to the engine's buckets (`padded_counts`), as they were fit;
   `decode_reads_longest`: and each padded row's decode attention as reading as far as
-  the step's longest decode context (`Executor.decode_reads_longest`: kvpage's XLA
-  path), as the run they were fit on recorded.
+  the step's longest decode context (the executor's `CostTraits.decode_reads_longest`:
+  kvpage's XLA path), as the run they were fit on recorded.
   """
 
   launch_s: float
@@ -177,23 +176,23 @@ class StepCost:
 class StepModel:
   """Prices steps of one model on one device of a `tensor_parallel` group."""
 
-  def __init__(self, model: capacity.ModelShape, rates: StepRates, *, weight_dtype: str,
+  def __init__(self, model: model_shape.ModelShape, rates: StepRates, *, weight_dtype: str,
                kv_dtype: str | None = None, page_size: int = 16, tensor_parallel: int = 1,
                host_link_bandwidth: float = 25e9):
-    capacity.check_tensor_parallel(model, tensor_parallel)
+    model_shape.check_tensor_parallel(model, tensor_parallel)
     self.model, self.rates, self.page_size = model, rates, page_size
     self.weight_dtype, self.kv_dtype = weight_dtype, kv_dtype or weight_dtype
     self.tensor_parallel, self.host_link_bandwidth = tensor_parallel, host_link_bandwidth
     tp = tensor_parallel
     self.weight_itemsize = units.dtype_bytes(weight_dtype)
     embedding = model.vocab_size * model.d_model
-    layers = capacity.num_parameters(model) - embedding * (1 if model.tie_embeddings else 2)
+    layers = model_shape.num_parameters(model) - embedding * (1 if model.tie_embeddings else 2)
     # Per device: decoder layers and the LM head split tp ways; the input embedding is a
     # gather of T rows, counted with the weights' bytes.
     self.layer_parameters = layers / tp
     self.head_parameters = embedding / tp
     self.weight_bytes = (self.layer_parameters + self.head_parameters) * self.weight_itemsize
-    self.kv_bytes_per_token = capacity.kv_bytes_per_token(model, self.kv_dtype,
+    self.kv_bytes_per_token = model_shape.kv_bytes_per_token(model, self.kv_dtype,
                                                           tensor_parallel=tp)
     self.flops_per_pair = 4 * model.num_layers * (model.num_heads // tp) * model.head_dim
     self.ring_fraction = 2 * (tp - 1) / tp
@@ -208,7 +207,7 @@ class StepModel:
            num_sampled: int | None = None) -> StepWork:
     """`sequences`: `(new tokens, context length including them)` per scheduled sequence;
     `num_sampled` rows go through the LM head (default: one per sequence)."""
-    return self.work_from_counts(**step_counts(sequences, num_sampled),
+    return self.work_from_counts(**metrics.step_counts(sequences, num_sampled),
                                  num_swapped_pages=num_swapped_pages)
 
   def work_from_counts(self, *, num_tokens: int, num_sequences: int, num_sampled: int,
@@ -271,20 +270,3 @@ def padded_counts(counts: dict[str, int], tokens: int, sequences: int,
   if decode_longest is not None and counts["decode_context"]:
     padded["decode_context"] = sequences * decode_longest
   return padded
-
-
-def longest_decode(sequences: Sequence[tuple[int, int]]) -> int:
-  """The longest context among a step's decodes (0 if it has none), from `(new tokens,
-  context)` per sequence."""
-  return max((c for n, c in sequences if n == 1), default=0)
-
-
-def step_counts(sequences: Sequence[tuple[int, int]],
-                num_sampled: int | None = None) -> dict[str, int]:
-  """The counts a step's cost depends on, from `(new tokens, context)` per sequence:
-  tokens, sequences, LM-head rows, prefill attention pairs (query i of n new tokens in
-  a context of c sees c - n + i + 1 keys) and decode context tokens."""
-  return dict(num_tokens=sum(n for n, _ in sequences), num_sequences=len(sequences),
-              num_sampled=len(sequences) if num_sampled is None else num_sampled,
-              prefill_pairs=sum(n * (c - n) + n * (n + 1) // 2 for n, c in sequences if n > 1),
-              decode_context=sum(c for n, c in sequences if n == 1))

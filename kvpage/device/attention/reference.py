@@ -9,8 +9,9 @@ tokens long and lives in the pages its page table lists. Its new tokens are the
 Decode is one new token per sequence, prefill a whole prompt, chunked prefill
 (Sarathi-Serve, OSDI'24) a chunk attending to its cached prefix plus itself.
 
-`ragged_paged_attention` is the oracle every other path (`xla.py`, `pallas/`) and the
-model are checked against. It is written for clarity and is exact up to float
+`ragged_paged_attention` is the oracle every other path (the backends'
+`xla/attention.py`, `cpu/`, `pallas/`) and the model are checked against. It is
+written for clarity and is exact up to float
 rounding: for each token it walks its sequence's page table one KV tile (a few pages)
 at a time, gathering those pages and folding them into a running (online) softmax in
 fp32 (Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), so memory stays

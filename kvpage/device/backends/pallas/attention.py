@@ -1,8 +1,8 @@
 """The Pallas kernels' entry point: `ragged_paged_attention`, with the oracle's contract.
 
 It has the contract of `reference.ragged_paged_attention` plus `interpret=`, and is
-what `kvpage.device.attention.attention("pallas", ...)` calls (on one layer's pages,
-interpreted on CPU). It picks one of two Pallas kernels:
+what the `pallas` and `mosaic` run choices call (`kvpage.device.backends.pallas.attend`,
+on one layer's pages, interpreted on CPU). It picks one of two Pallas kernels:
 
   * every sequence has (at most) one new token -> `decode.paged_decode_attention`, the
     Flash-Decoding kernel that reads each KV page once per KV head (Triton), or with
@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from kvpage.device.attention import reference
-from kvpage.device.attention.pallas import decode, ragged
+from kvpage.device.backends.pallas import decode, ragged
 
 DECODE_KERNELS = ("triton", "mosaic")
 
@@ -44,7 +44,7 @@ def _decode_rows(q, k_pages, v_pages, page_tables, context_lens, query_start_loc
   if decode_kernel == "mosaic":
     if soft_cap is not None:
       raise NotImplementedError("the Mosaic GPU decode kernel has no soft cap yet")
-    from kvpage.device.attention.pallas import mosaic_decode  # needs jax >= 0.11.2
+    from kvpage.device.backends.pallas import mosaic_decode  # needs jax >= 0.11.2
 
     mosaic_decode.check_supported(interpret)
     out = mosaic_decode.paged_decode_attention(q_rows, k_pages, v_pages, **arguments)

@@ -36,8 +36,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from kvpage.device.attention import reference, xla
-from kvpage.device.attention.pallas import common
+from kvpage.device.attention import reference
+from kvpage.device.backends.pallas import common
+from kvpage.device.backends.xla import attention as xla
 from kvpage.units import cdiv
 
 TOKENS_PER_TILE = 64  # keys per KV tile (one loop step) for 2-byte dtypes; halved for fp32

@@ -20,19 +20,19 @@
 
 #include "common.h"
 #include "linear.h"
+#include "variant.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+// The variant's namespace (variant.h): its functions' names say which variant they are.
+namespace kvpage {
+inline namespace KVPAGE_VARIANT_NAMESPACE {
 namespace {
 
-using kvpage::F16;
-using kvpage::kLanes;
-using kvpage::Load;
-using kvpage::Store;
-using kvpage::Workers;
-
 constexpr int64_t kPanel = 2 * kLanes;  // result columns a task computes
+static_assert(kPanel == kvpage::limits::kPanel,
+              "a task's panel is two vectors of columns (limits.py's PANEL)");
 static_assert(kPanel == kvpage::kColumnBlock, "weights come in whole panels (linear.h)");
 constexpr int64_t kChunkRows = 64;      // result rows a task computes, at most
 constexpr int kBlockRows = 8;           // rows a micro-kernel holds
@@ -124,5 +124,11 @@ ffi::Error Linear(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs weights,
 #define KVPAGE_LINEAR_BINDING                                    \
   ffi::Ffi::Bind().Arg<ffi::Buffer<ffi::F32>>().RemainingArgs().RemainingRets()
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinear, Linear<false>, KVPAGE_LINEAR_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageSwiglu, Linear<true>, KVPAGE_LINEAR_BINDING);
+// Each named for its variant (`KvpageLinear_avx2`, ...; variant.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KVPAGE_HANDLER(KvpageLinear), Linear<false>,
+                              KVPAGE_LINEAR_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KVPAGE_HANDLER(KvpageSwiglu), Linear<true>,
+                              KVPAGE_LINEAR_BINDING);
+
+}  // namespace KVPAGE_VARIANT_NAMESPACE
+}  // namespace kvpage

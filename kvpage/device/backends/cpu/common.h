@@ -32,10 +32,13 @@
 #include <mutex>
 #include <thread>
 
-namespace kvpage {
+#include "variant.h"
 
-// Vectors of 16 floats (GCC/Clang vector extensions: one AVX-512 register, two AVX2
-// ones, four SSE ones, as the CPU has).
+namespace kvpage {
+inline namespace KVPAGE_VARIANT_NAMESPACE {
+
+// Vectors of 16 floats (GCC/Clang vector extensions: one AVX-512 register in the
+// avx512 and amx variants, two AVX2 ones in the avx2 variant; `variant.h`).
 typedef float F16 __attribute__((vector_size(64)));
 typedef float F16Unaligned __attribute__((vector_size(64), aligned(4)));
 typedef int32_t I16 __attribute__((vector_size(64)));
@@ -195,6 +198,7 @@ class Workers {
   std::condition_variable wake_;
 };
 
+}  // namespace KVPAGE_VARIANT_NAMESPACE
 }  // namespace kvpage
 
 #endif  // KVPAGE_DEVICE_CPU_COMMON_H_

@@ -21,8 +21,25 @@ from typing import Any
 
 import numpy as np
 
-from kvpage.host.request import Request, RequestStatus
-from kvpage.sim import step_model
+from kvpage.interface import CostTraits
+from kvpage.request import Request, RequestStatus
+
+
+def longest_decode(sequences: Sequence[tuple[int, int]]) -> int:
+  """The longest context among a step's decodes (0 if it has none), from `(new tokens,
+  context)` per sequence."""
+  return max((c for n, c in sequences if n == 1), default=0)
+
+
+def step_counts(sequences: Sequence[tuple[int, int]],
+                num_sampled: int | None = None) -> dict[str, int]:
+  """The counts a step's cost depends on, from `(new tokens, context)` per sequence:
+  tokens, sequences, LM-head rows, prefill attention pairs (query i of n new tokens in
+  a context of c sees c - n + i + 1 keys) and decode context tokens."""
+  return dict(num_tokens=sum(n for n, _ in sequences), num_sequences=len(sequences),
+              num_sampled=len(sequences) if num_sampled is None else num_sampled,
+              prefill_pairs=sum(n * (c - n) + n * (n + 1) // 2 for n, c in sequences if n > 1),
+              decode_context=sum(c for n, c in sequences if n == 1))
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:
@@ -46,17 +63,17 @@ def step_work(output: Any, last_step_time: tuple[int, float] | None,
               shape: tuple[int, int] | None = None,
               decode_reads_longest: bool = False) -> dict[str, Any]:
   """A step's measured seconds (`step_s`: launch to samples back, None if unpriced) and
-  the counts its cost depends on (`work`, `kvpage.sim.step_model.step_counts` per
+  the counts its cost depends on (`work`, `step_counts` per
   iteration, with the `(tokens, sequences)` it was padded to when `shape` is given),
   for `experiments/calibrate.py`."""
   scheduled = output.scheduled
   sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
                for seq in scheduled]
-  work = step_model.step_counts(sequences, sum(seq.samples for seq in scheduled))
+  work = step_counts(sequences, sum(seq.samples for seq in scheduled))
   work.update(iterations=max((seq.num_steps for seq in scheduled), default=1),
               swap_pages=len(output.swap_out) + len(output.swap_in))
   if decode_reads_longest:  # what each padded row's decode attention reads
-    work.update(decode_longest=step_model.longest_decode(sequences))
+    work.update(decode_longest=longest_decode(sequences))
   if shape is not None:
     work.update(padded_tokens=shape[0], padded_sequences=shape[1])
   seconds = (last_step_time[1] if last_step_time is not None
@@ -99,11 +116,11 @@ class MetricsRecorder:
 
   def __init__(self, scheduler: Any, clock: Callable[[], float], *, history: bool = True,
                step_shape: Callable[[Any], tuple[int, int]] | None = None,
-               decode_reads_longest: bool = False):
+               traits: CostTraits | None = None):
     self.scheduler = scheduler
     self.clock = clock
     self.step_shape = step_shape  # the executor's: each step's padded shape, recorded
-    self.decode_reads_longest = decode_reads_longest  # the executor's: recorded too
+    self.traits = traits or CostTraits()  # the executor's: what its decode rows read, recorded
     self.history = history
     self.requests: list[Request] = []
     self.steps: list[dict[str, Any]] = []
@@ -140,7 +157,7 @@ class MetricsRecorder:
                    output.swap_in))
     row.update(step_work(output, getattr(self.scheduler, "last_step_time", None),
                          self.step_shape(output) if self.step_shape else None,
-                         self.decode_reads_longest))
+                         self.traits.decode_reads_longest))
     for key in ("preemptions", "rejections"):
       row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
       self._last[key] = dict(stats[key])

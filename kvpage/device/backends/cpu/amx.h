@@ -3,34 +3,48 @@
 // (three bf16 passes: JAX's `Precision.HIGH`, "bf16_3x"), the pair-interleaved layout
 // of a right-hand operand, and the 32x32 block product.
 //
-// Defines KVPAGE_AMX where the target CPU has AMX (bf16 tiles) and AVX512-BF16; the
-// rest of this header exists only then.
+// Defines KVPAGE_AMX where the variant is compiled for AMX (bf16 tiles) and
+// AVX512-BF16 (the amx variant, `variant.h`); the rest of this header exists only then.
 
 #ifndef KVPAGE_DEVICE_CPU_AMX_H_
 #define KVPAGE_DEVICE_CPU_AMX_H_
 
+#include "variant.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVPAGE_AMX 1
 
+// GCC 12's AVX-512 intrinsics leave operands undefined on purpose (`__Y = __Y`), which
+// its -Wmaybe-uninitialized reports wherever they are inlined (GCC bug 105593, fixed in
+// GCC 13).
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ == 12
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#pragma GCC diagnostic pop
+#else
+#include <immintrin.h>
+#endif
 
 #include <cstdint>
 
-namespace kvpage::amx {
+// dispatch.cc: 1 where this CPU has the AMX variant's instructions and Linux grants this
+// process the tile registers (which it hands only to a process that asks for them).
+extern "C" int KvpageAmxAvailable();
+
+namespace kvpage {
+inline namespace KVPAGE_VARIANT_NAMESPACE {
+namespace amx {
 
 constexpr int64_t kBlock = 32;       // result rows and columns one tile pass computes
 constexpr int64_t kStep = 32;        // inner elements one tile multiply folds
 constexpr int64_t kTile = 512;       // bf16 elements in one packed tile of w (1 KB)
+static_assert(limits::kBf16x3HeadDimMultiple % kStep == 0,
+              "bf16x3 attention takes head sizes of whole tile steps (limits.py)");
+static_assert(limits::kPanel % kBlock == 0, "weights come in whole column blocks (limits.py)");
 
-// Linux hands the AMX tile registers only to a process that asks for them.
-inline bool RequestAmx() {
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool granted =
-      syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return granted;
-}
+// Whether this process may use the tile registers (asks Linux for them once).
+inline bool RequestAmx() { return KvpageAmxAvailable() != 0; }
 
 // Tiles 0-3: 16x16 fp32 accumulators; 4-5: 16 rows x 32 bf16 of x; 6-7: 16 row pairs
 // x 16 columns of w.
@@ -134,7 +148,9 @@ inline void Block(const uint16_t* high, const uint16_t* low, int64_t width, int6
   _tile_stored(3, to + 16 * to_stride + 16, bytes);
 }
 
-}  // namespace kvpage::amx
+}  // namespace amx
+}  // namespace KVPAGE_VARIANT_NAMESPACE
+}  // namespace kvpage
 
 #endif  // AMX
 #endif  // KVPAGE_DEVICE_CPU_AMX_H_

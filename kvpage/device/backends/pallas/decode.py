@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from kvpage.device.attention import reference
-from kvpage.device.attention.pallas import common
+from kvpage.device.backends.pallas import common
 from kvpage.units import cdiv
 
 # Keys per KV tile (one loop step) for 2-byte dtypes: 8 pages of 16, as JAX's Triton paged

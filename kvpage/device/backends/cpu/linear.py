@@ -28,14 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpage.device import cpu
+from kvpage.device.backends.cpu import limits
+from kvpage.device.backends.cpu import native as cpu
+from kvpage.device.backends.xla import matmul as _xla
+from kvpage.device.backends.xla import rms_norm
 
 # Rows up to which the kernel beats XLA:CPU on the 2-core reference machine: a tiny
 # model's dense layers (benchmarks/dense_cpu.py) at 32 / 64 / 128 rows took 0.99 / 1.58 /
 # 3.03 ms on the kernel against 1.42 / 2.28 / 3.19 ms on XLA; at 192 rows, 4.99 against
 # 4.15 ms, and XLA's lead grows with the rows (48 against 35 ms at 2,048).
 MAX_ROWS = 128
-PANEL = 32  # result columns a task computes (linear.cc's kPanel)
+PANEL = limits.PANEL  # result columns a task computes (linear.cc's kPanel)
 
 
 def target(rows: int, columns: int, dtype: Any, precision: Any = None,
@@ -43,7 +46,7 @@ def target(rows: int, columns: int, dtype: Any, precision: Any = None,
   """The kernel (FFI target) that computes products of `rows` rows into `columns`
   columns (plain, or SwiGLU's), or None where XLA does: on the CPU backend with the
   kernels built, in fp32 with a multiple of 32 columns, `linear.cc` takes up to
-  `MAX_ROWS` rows, and at `Precision.HIGH` on a CPU with AMX (`kvpage.device.cpu.amx`)
+  `MAX_ROWS` rows, and at `Precision.HIGH` on a CPU with AMX (`native.amx`)
   `linear_amx.cc` takes more."""
   if not (rows > 0 and columns % PANEL == 0 and jnp.dtype(dtype) == jnp.float32
           and jax.default_backend() == "cpu" and cpu.status() == "ready"):
@@ -91,17 +94,6 @@ def _call(name: str, x: jax.Array, weights: Sequence[jax.Array], rows: int,
   return [out.reshape(*x.shape[:-1], n) for out, n in zip(outs, columns)]
 
 
-def _xla(x: jax.Array, w: jax.Array, precision: Any) -> jax.Array:
-  return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision)
-
-
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """Llama's RMSNorm (`models.llama`), computed in fp32: what `project`'s `norm` does."""
-  x32 = x.astype(jnp.float32)
-  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return scale * normed.astype(x.dtype)
-
-
 def project(x: jax.Array, weights: Sequence[jax.Array], precision: Any = None, *,
             norm: tuple[jax.Array, float] | None = None,
             residual: jax.Array | None = None) -> list[jax.Array]:
@@ -138,13 +130,9 @@ def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, precision: Any = No
   return _call(name, x, (w_gate, w_up), rows, [w_gate.shape[1]], norm)[0]
 
 
-def linear(x: jax.Array, w: jax.Array, precision: Any = None) -> jax.Array:
-  """`x @ w` for `x` f32[..., K] and `w` f32[K, N], on the kernel `target` names;
-  raises `ValueError` where none runs."""
-  chosen = _kernel(x, (w,), precision, swiglu=False)
-  if chosen is None:
-    raise ValueError(f"the CPU linear kernels do not run here ({cpu.status()}; backend "
-                     f"{jax.default_backend()}, x {x.dtype}{list(x.shape)}, w "
-                     f"{w.dtype}{list(w.shape)}, precision {precision})")
-  name, rows = chosen
-  return _call(name, x, (w,), rows, [w.shape[1]])[0]
+def describe(dtype: Any, precision: Any) -> str:
+  """Which products the kernels take for weights of `dtype` at `precision`, here."""
+  if jnp.dtype(dtype) != jnp.float32:
+    return f"xla ({jnp.dtype(dtype).name}: the kernels are fp32)"
+  many = "AMX, bf16x3" if cpu.bf16x3(precision) else "xla"
+  return f"native up to {MAX_ROWS} rows, {many} above"

@@ -28,10 +28,14 @@
 #include "amx.h"
 #include "common.h"
 #include "linear.h"
+#include "variant.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+// The variant's namespace (variant.h): its functions' names say which variant they are.
+namespace kvpage {
+inline namespace KVPAGE_VARIANT_NAMESPACE {
 namespace {
 
 #ifdef KVPAGE_AMX
@@ -171,28 +175,18 @@ ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32> x, ffi::RemainingArgs args,
   return ffi::Error::Success();
 }
 
-#else  // no AMX in this build's target CPU
+#else  // the avx2 and avx512 variants: no AMX
 
 template <bool kSwiglu>
 ffi::Error LinearBf16x3(ffi::Buffer<ffi::F32>, ffi::RemainingArgs, ffi::RemainingRets, int64_t,
                         float, int64_t) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "linear_bf16x3: built for a CPU without AMX");
+                    "linear_bf16x3: only the library's amx variant runs it");
 }
 
 #endif
 
 }  // namespace
-
-// 1 where this process can run `KvpageLinearBf16x3`: built for an AMX CPU, and the
-// OS grants the tile registers.
-extern "C" int KvpageAmxAvailable() {
-#ifdef KVPAGE_AMX
-  return RequestAmx() ? 1 : 0;
-#else
-  return 0;
-#endif
-}
 
 // x, [norm scale], [residual], weights...; results; whether there is a norm (and its
 // epsilon) and a residual.
@@ -205,7 +199,11 @@ extern "C" int KvpageAmxAvailable() {
       .Attr<float>("norm_eps")                                                         \
       .Attr<int64_t>("residual")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageLinearBf16x3, LinearBf16x3<false>,
+// Each named for its variant (`KvpageLinearBf16x3_amx`, ...; variant.h).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KVPAGE_HANDLER(KvpageLinearBf16x3), LinearBf16x3<false>,
                               KVPAGE_AMX_LINEAR_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpageSwigluBf16x3, LinearBf16x3<true>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KVPAGE_HANDLER(KvpageSwigluBf16x3), LinearBf16x3<true>,
                               KVPAGE_AMX_LINEAR_BINDING);
+
+}  // namespace KVPAGE_VARIANT_NAMESPACE
+}  // namespace kvpage

@@ -17,13 +17,16 @@
 #include <string>
 #include <vector>
 
+#include "variant.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace kvpage {
+inline namespace KVPAGE_VARIANT_NAMESPACE {
 
 namespace ffi = xla::ffi;
 
-constexpr int64_t kColumnBlock = 32;  // weights' columns come in multiples of this
+// Weights' columns come in multiples of this (limits.py's PANEL).
+constexpr int64_t kColumnBlock = limits::kPanel;
 
 struct Products {
   struct Weight {
@@ -86,7 +89,8 @@ inline ffi::Error ParseProducts(const char* kernel, bool swiglu, ffi::Buffer<ffi
     const auto w_dims = w->dimensions(), out_dims = (*out)->dimensions();
     if (w_dims.size() != 2 || w_dims[0] != products->inner ||
         w_dims[1] % kColumnBlock != 0) {
-      return fail("each weight must be [inner, N] with N a multiple of 32");
+      return fail("each weight must be [inner, N] with N a multiple of " +
+                  std::to_string(kColumnBlock));
     }
     if (out_dims.size() != 2 || out_dims[0] != products->rows || out_dims[1] != w_dims[1]) {
       return fail("each result must be [rows, N]");
@@ -103,6 +107,7 @@ inline ffi::Error ParseProducts(const char* kernel, bool swiglu, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+}  // namespace KVPAGE_VARIANT_NAMESPACE
 }  // namespace kvpage
 
 #endif  // KVPAGE_DEVICE_CPU_LINEAR_H_

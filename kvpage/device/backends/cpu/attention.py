@@ -1,4 +1,4 @@
-"""The paged-attention kernels for CPU (`kvpage/device/cpu/paged_attention.cc`).
+"""The paged-attention kernels for CPU (`kvpage/device/backends/cpu/paged_attention.cc`).
 
 XLA:CPU cannot read a page table's pages in place: `xla.py` gathers them into a fresh
 buffer (a copy of every context, per layer, per step) and then reads the copy. On the
@@ -16,7 +16,7 @@ matmul speed. The C++ kernels read the pages where they lie, with two handlers:
     tile unit instead (`paged_prefill_bf16x3`).
 
 The `cpu` attention implementation is the XLA paths with both kinds of row on them.
-Where the kernels are not built (`kvpage.device.cpu.status()` says why), off the CPU
+Where the kernels are not built (`kvpage.device.backends.cpu.native.status()` says why), off the CPU
 backend, and for shapes the kernels do not take (`runs`), the rows stay on the XLA
 paths.
 """
@@ -27,12 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvpage.device.cpu import bf16x3, status
+from kvpage.device.backends.cpu import limits
+from kvpage.device.backends.cpu.native import bf16x3, status
 
 # Query heads per KV head the decode kernel takes (paged_attention.cc's kMaxGroup).
-MAX_GROUP = 16
+MAX_GROUP = limits.MAX_GROUP
 # Head sizes both kernels are instantiated for (head_dim / 16 vectors of 16 floats).
-HEAD_DIMS = (16, 32, 64, 128, 256)
+HEAD_DIMS = limits.HEAD_DIMS
 
 
 def runs(dtype: jnp.dtype, group: int, head_dim: int) -> bool:
@@ -89,7 +90,7 @@ def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tab
     page_tables, query_start_loc, context_lens: as in `ragged_paged_attention`.
     layer, sm_scale, soft_cap: static; `soft_cap` None for none.
     precision: the products' (`jax.lax.dot_general`'s argument): at `Precision.HIGH`
-      on a CPU with AMX (`kvpage.device.cpu.bf16x3`), and a head size that is a
+      on a CPU with AMX (`kvpage.device.backends.cpu.native.bf16x3`), and a head size that is a
       multiple of 32, the scores and the weighted values take three bf16 passes on
       the tile unit; else fp32.
   Returns:
@@ -99,7 +100,8 @@ def paged_prefill(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, page_tab
     raise ValueError(f"the CPU prefill kernel does not run here ({status()}; backend "
                      f"{jax.default_backend()}, q {q.dtype}{list(q.shape)}, cache "
                      f"{k_cache.dtype}{list(k_cache.shape)})")
-  name = ("kvpage_paged_prefill_bf16x3" if bf16x3(precision) and q.shape[-1] % 32 == 0
+  name = ("kvpage_paged_prefill_bf16x3" if bf16x3(precision)
+          and q.shape[-1] % limits.BF16X3_HEAD_DIM_MULTIPLE == 0
           else "kvpage_paged_prefill")
   call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct(q.shape, jnp.float32))
   return call(q, k_cache, v_cache, page_tables.astype(jnp.int32),

@@ -15,18 +15,20 @@ so the step never copies a layer's pages.
     the Pallas ragged kernel shares) that a loop visits, only as many as there are,
     each reading its sequence's pages tile by tile up to its causal limit.
 
-Both take `decode_kernel`: "xla" computes the decode rows here; "cpu" hands them to
-the C++ kernel (`kvpage.device.attention.cpu`), which reads the pages in place instead
-of gathering them, where it runs (`cpu.runs`; else they stay here).
+Both take optional `kernels` (`RowKernels`): a backend that computes some rows better
+(the CPU backend's C++ kernels, which read the pages in place instead of gathering
+them) hands its decode rows and prompt chunks over there; without them every row is
+computed here.
 """
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from kvpage.device.attention import cpu, reference
+from kvpage.device.attention import reference
 
 # Measured on the 2-core CPU VM (variants interleaved in one process, tiny dims, one
 # layer): tiles of 64 tokens beat 128 by 15-20% at batch 64 x 100 tokens, 32 x 600 and
@@ -79,6 +81,26 @@ def decode_rows(page_tables: jax.Array, num_kv_heads: int, num_pages: int,
   return heads[:, None, None] + page_tables[None]
 
 
+class RowKernels(NamedTuple):
+  """Kernels that take over rows of the XLA paths, each reading layer `layer` of the
+  whole cache `[num_layers, num_kv_heads, num_pages, page_size, head_dim]` in place;
+  None leaves those rows here.
+
+  decode: `(q_seqs, k_cache, v_cache, page_tables, limits, *, layer, sm_scale, soft_cap)`
+    -> `f32[n, num_heads, head_dim]`: one query row per table, seeing the keys below
+    `limits[s]` (0: a zero row).
+  prompt_chunks: `(q, k_cache, v_cache, page_tables, query_start_loc, context_lens, *,
+    layer, sm_scale, soft_cap)` -> `f32[num_tokens, num_heads, head_dim]`: every prompt
+    chunk's causal attention, zeros on the other rows.
+  """
+
+  decode: Callable[..., jax.Array] | None = None
+  prompt_chunks: Callable[..., jax.Array] | None = None
+
+
+NO_KERNELS = RowKernels()
+
+
 def _layer_pool(pages: jax.Array, layer: int | None) -> jax.ShapeDtypeStruct:
   """The shape and dtype of one layer's pages, `[num_kv_heads, num_pages, page_size,
   head_dim]`, without slicing the whole cache (only the static check reads it)."""
@@ -90,7 +112,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            layer: int | None = None, sm_scale: float | None = None,
                            soft_cap: float | None = None,
                            tokens_per_tile: int = DECODE_TOKENS_PER_TILE,
-                           decode_kernel: str = "xla") -> jax.Array:
+                           kernels: RowKernels = NO_KERNELS) -> jax.Array:
   """`ragged_paged_attention` for a decode-only batch: token `s` is sequence `s`'s one new token.
 
   The host knows when a step is decode-only (every scheduled sequence brings exactly
@@ -106,7 +128,7 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     k_pages, v_pages: `[num_kv_heads, num_pages, page_size, head_dim]`, or, with `layer`,
       the whole cache `[num_layers, num_kv_heads, ...]` (read in place: no layer slice).
     page_tables, context_lens: as in `ragged_paged_attention`; length-0 rows are padding.
-    decode_kernel: "xla" (here) or "cpu" (the C++ kernel, where built).
+    kernels: `kernels.decode`, if any, computes the rows instead.
   Returns:
     `[num_tokens, num_heads, head_dim]` in `q.dtype`.
   """
@@ -120,20 +142,20 @@ def paged_decode_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
   sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
   out = _decode_pass(q[:num_seqs], k_pages, v_pages, page_tables[:num_seqs],
                      context_lens[:num_seqs], num_pages, layer, sm_scale, soft_cap,
-                     max(1, tokens_per_tile // page_size), decode_kernel).astype(q.dtype)
+                     max(1, tokens_per_tile // page_size), kernels.decode).astype(q.dtype)
   return jnp.pad(out, ((0, num_tokens - num_seqs), (0, 0), (0, 0)))
 
 
 def _decode_pass(q_seqs, k_pages, v_pages, page_tables, limits, num_pages, layer, sm_scale,
                  soft_cap, pages_per_tile, decode_kernel):
   """One query token per table, `q_seqs [n, num_heads, head_dim]`, seeing the keys below
-  `limits i32[n]` of its table; returns `f32[n, num_heads, head_dim]`."""
-  group = q_seqs.shape[1] // k_pages.shape[-4]
-  if decode_kernel == "cpu" and cpu.runs(k_pages.dtype, group, q_seqs.shape[-1]):
+  `limits i32[n]` of its table; returns `f32[n, num_heads, head_dim]`. `decode_kernel`
+  (`RowKernels.decode`), if given, computes them instead."""
+  if decode_kernel is not None:
     whole = layer is not None  # the kernel reads layer `layer` of a whole cache
-    return cpu.paged_decode(q_seqs, k_pages if whole else k_pages[None],
-                            v_pages if whole else v_pages[None], page_tables, limits,
-                            layer=layer or 0, sm_scale=sm_scale, soft_cap=soft_cap)
+    return decode_kernel(q_seqs, k_pages if whole else k_pages[None],
+                         v_pages if whole else v_pages[None], page_tables, limits,
+                         layer=layer or 0, sm_scale=sm_scale, soft_cap=soft_cap)
   num_seqs, num_heads, head_dim = q_seqs.shape
   num_kv_heads = k_pages.shape[-4]
   q_grouped = (q_seqs.astype(jnp.float32) * sm_scale).reshape(
@@ -258,7 +280,7 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
                              sm_scale: float | None = None, soft_cap: float | None = None,
                              query_block: int = PREFILL_QUERY_BLOCK,
                              tokens_per_tile: int = PREFILL_TOKENS_PER_TILE,
-                             decode_kernel: str = "xla", precision: Any = None) -> jax.Array:
+                             kernels: RowKernels = NO_KERNELS) -> jax.Array:
   """`ragged_paged_attention` for any batch: the fast XLA path for mixed steps.
 
   A mixed step holds two kinds of sequence, computed two ways and then put back in
@@ -277,8 +299,7 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
 
   Arguments and result as in `ragged_paged_attention`; with `layer`, `k_pages` and
   `v_pages` are the whole cache `[num_layers, num_kv_heads, ...]`, read in place;
-  `decode_kernel` as in `paged_decode_attention`; `precision`, the products', reaches
-  the CPU prompt-chunk kernel (`cpu.paged_prefill`).
+  `kernels`, if any, compute the decode rows and the prompt chunks instead.
   """
   pool = _layer_pool(k_pages, layer)
   reference.validate_static(q, pool, _layer_pool(v_pages, layer), page_tables, context_lens,
@@ -297,15 +318,14 @@ def ragged_blocked_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arra
   decode_out = _decode_pass(q[last], k_pages, v_pages, page_tables,
                             jnp.where(is_decode, context_lens, 0), num_pages, layer, sm_scale,
                             soft_cap, max(1, DECODE_TOKENS_PER_TILE // page_size),
-                            decode_kernel)
+                            kernels.decode)
 
-  if decode_kernel == "cpu" and cpu.prefill_runs(k_pages.dtype, head_dim):
+  if kernels.prompt_chunks is not None:
     whole = layer is not None  # the kernel reads layer `layer` of a whole cache
-    chunk_out = cpu.paged_prefill(q, k_pages if whole else k_pages[None],
-                                  v_pages if whole else v_pages[None], page_tables,
-                                  query_start_loc, context_lens, layer=layer or 0,
-                                  sm_scale=sm_scale, soft_cap=soft_cap,
-                                  precision=precision)
+    chunk_out = kernels.prompt_chunks(q, k_pages if whole else k_pages[None],
+                                      v_pages if whole else v_pages[None], page_tables,
+                                      query_start_loc, context_lens, layer=layer or 0,
+                                      sm_scale=sm_scale, soft_cap=soft_cap)
   else:
     chunk_out = _blocked_prompt_chunks(q, k_pages, v_pages, page_tables, context_lens,
                                        query_start_loc, is_decode, query_lens, layer=layer,

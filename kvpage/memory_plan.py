@@ -9,7 +9,7 @@ included). Both kinds of run fill in the same terms, each with where it came fro
     own bytes, and the reserve from XLA's buffer assignment of the compiled largest
     steps (`kvpage.device.step.Step.temp_bytes`);
   * a simulated run takes the hardware entry's memory, the weights from the model's
-    shapes (`capacity.weight_bytes`) and the reserve from `step_activation_bytes`,
+    shapes (`model_shape.weight_bytes`) and the reserve from `step_activation_bytes`,
     evaluated at the very same step shapes.
 
 `step_activation_bytes` models what the XLA path keeps live in one step: the widest
@@ -26,13 +26,10 @@ Pure Python: this module never imports jax.
 
 import dataclasses
 
-from kvpage.sim import capacity
+from kvpage import model_shape
+from kvpage.interface import CostTraits
 from kvpage.units import dtype_bytes
 
-# The XLA attention path's tiles (`kvpage.device.attention.xla`; a test keeps them equal).
-DECODE_TOKENS_PER_TILE = 64
-PREFILL_QUERY_BLOCK = 256
-PREFILL_TOKENS_PER_TILE = 256
 DEFAULT_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default
 
 
@@ -42,25 +39,29 @@ def _size(num_bytes: float) -> str:
   return f"{num_bytes / 2**20:,.1f} MiB"
 
 
-def step_activation_bytes(model: capacity.ModelShape, *, num_tokens: int, num_seqs: int,
-                          dtype: str, kv_dtype: str | None = None,
-                          tensor_parallel: int = 1, swiglu_in_one_call: bool = False) -> int:
+def step_activation_bytes(model: model_shape.ModelShape, *, num_tokens: int, num_seqs: int,
+                          dtype: str, traits: CostTraits, kv_dtype: str | None = None,
+                          tensor_parallel: int = 1) -> int:
   """Estimated peak temporaries of one step of `num_tokens` tokens over `num_seqs`
-  sequences (padded shapes, as the step runs them) on one device of a group.
-  `swiglu_in_one_call`: the MLP's gate and up products never exist apart, only
-  silu(gate) * up (kvpage's CPU kernels)."""
+  sequences (padded shapes, as the step runs them) on one device of a group, for the
+  backend whose cost `traits` (`kvpage.device.backends.traits`) say how large its
+  attention tiles are and whether its MLP's gate and up products exist apart
+  (`swiglu_fused`: only silu(gate) * up)."""
+  if None in (traits.decode_tokens_per_tile, traits.prefill_query_block,
+              traits.prefill_tokens_per_tile):
+    raise ValueError(f"cost traits without attention tiles cannot size a step: {traits}")
   tp = tensor_parallel
   act, kv = dtype_bytes(dtype), dtype_bytes(kv_dtype or dtype)
-  heads, kv_heads = model.num_heads // tp, capacity.kv_heads_per_device(model, tp)
+  heads, kv_heads = model.num_heads // tp, model_shape.kv_heads_per_device(model, tp)
   qkv = (heads + 2 * kv_heads) * model.head_dim
   # gate and up (or their product alone), and the MLP's input
-  mlp = (1 if swiglu_in_one_call else 2) * model.ffn_dim // tp + model.d_model
+  mlp = (1 if traits.swiglu_fused else 2) * model.ffn_dim // tp + model.d_model
   linear = num_tokens * (2 * model.d_model + max(qkv, mlp)) * act
-  tile = DECODE_TOKENS_PER_TILE
+  tile = traits.decode_tokens_per_tile
   decode = num_seqs * tile * (2 * kv_heads * model.head_dim * kv + heads * 4)
   prefill = 0
   if num_tokens > num_seqs:  # a prompt chunk: one query block scored against one key tile
-    block, keys = min(PREFILL_QUERY_BLOCK, num_tokens), PREFILL_TOKENS_PER_TILE
+    block, keys = min(traits.prefill_query_block, num_tokens), traits.prefill_tokens_per_tile
     prefill = block * heads * keys * 4 * 2 + keys * 2 * kv_heads * model.head_dim * kv
   sampler = num_seqs * model.vocab_size * 4 * 2  # fp32 logits and their probabilities
   return max(linear, decode, prefill) + sampler

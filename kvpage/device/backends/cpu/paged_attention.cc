@@ -29,38 +29,47 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
 #include "common.h"
+#include "variant.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
+// The variant's namespace (variant.h): its functions' names say which variant they are.
+namespace kvpage {
+inline namespace KVPAGE_VARIANT_NAMESPACE {
 namespace {
 
-#ifdef KVPAGE_AMX
-namespace amx = kvpage::amx;
-#endif
-using kvpage::ExpNonPositive;
-using kvpage::F16;
-using kvpage::I16;
-using kvpage::kLanes;
-using kvpage::Lane;
-using kvpage::Load;
-using kvpage::Splat;
-using kvpage::Store;
-using kvpage::Workers;
-
-constexpr int kMaxGroup = 16;  // query heads per KV head the decode kernel handles
+// Query heads per KV head the decode kernel handles (limits.py's MAX_GROUP).
+constexpr int kMaxGroup = limits::kMaxGroup;
 constexpr int64_t kFloatsPerLine = 16;  // a 64-byte cache line
 // Below any score: the running max before the first page.
 constexpr float kNoScore = -1e30f;
 
-// The head sizes the kernels are instantiated for: 1, 2, 4, 8 or 16 vectors.
+// Calls `attend(std::integral_constant<int, head_dim / kLanes>{})` where `head_dim` is
+// one of the head sizes the kernels are instantiated for (limits.py's HEAD_DIMS, whole
+// vectors); returns whether it is.
+template <size_t kIndex = 0, typename Attend>
+bool WithHeadDim(int64_t head_dim, const Attend& attend) {
+  if constexpr (kIndex == std::size(limits::kHeadDims)) {
+    return false;
+  } else {
+    constexpr int64_t kDim = limits::kHeadDims[kIndex];
+    static_assert(kDim > 0 && kDim % kLanes == 0, "head sizes are whole vectors (limits.py)");
+    if (head_dim != kDim) return WithHeadDim<kIndex + 1>(head_dim, attend);
+    attend(std::integral_constant<int, kDim / kLanes>{});
+    return true;
+  }
+}
+
 inline bool SupportedHeadDim(int64_t head_dim) {
-  return head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 ||
-         head_dim == 256;
+  return WithHeadDim(head_dim, [](auto) {});
 }
 
 // Across the 16 lanes by halving: each step adds (or maxes) the vector with itself
@@ -253,18 +262,13 @@ ffi::Error PagedDecode(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
       p.num_heads / p.num_kv_heads > kMaxGroup || !SupportedHeadDim(p.head_dim) ||
       table_dims[0] != num_seqs || static_cast<int64_t>(limits.element_count()) != num_seqs ||
       layer < 0 || layer >= cache_dims[0]) {
-    return ffi::Error::InvalidArgument("paged_decode: inconsistent shapes or layer, or a "
-                                       "head_dim other than 16, 32, 64, 128 or 256");
+    return ffi::Error::InvalidArgument(
+        std::string("paged_decode: inconsistent shapes or layer, or a head_dim other than ") +
+        limits::kHeadDimsText);
   }
   Workers::Run(num_seqs * p.num_kv_heads, [&p](int64_t task) {
     const int64_t seq = task / p.num_kv_heads, kv_head = task % p.num_kv_heads;
-    switch (p.head_dim) {
-      case 16: return AttendOne<1>(p, seq, kv_head);
-      case 32: return AttendOne<2>(p, seq, kv_head);
-      case 64: return AttendOne<4>(p, seq, kv_head);
-      case 128: return AttendOne<8>(p, seq, kv_head);
-      default: return AttendOne<16>(p, seq, kv_head);
-    }
+    WithHeadDim(p.head_dim, [&](auto vd) { AttendOne<decltype(vd)::value>(p, seq, kv_head); });
   });
   return ffi::Error::Success();
 }
@@ -517,11 +521,12 @@ void AttendBlockAmx(const PrefillProblem& p, const Block& block, int64_t kv_head
     // block see no key.
     F16 position[2], running_max[2], denominator[2] = {};
     for (int half = 0; half < 2; ++half) {
+      float lanes[kLanes];
       for (int lane = 0; lane < kLanes; ++lane) {
         const int64_t r = r0 + half * kLanes + lane;
-        position[half][lane] = r < rows ? static_cast<float>(block.first_position + r / group)
-                                        : -1.0f;
+        lanes[lane] = r < rows ? static_cast<float>(block.first_position + r / group) : -1.0f;
       }
+      position[half] = Load(lanes);
       running_max[half] = Splat(kNoScore);
     }
     for (int64_t r = 0; r < kRows; ++r) {
@@ -630,19 +635,19 @@ ffi::Error PrefillOnAmx(const PrefillProblem& p, int64_t head_dim, int64_t num_s
   Workers::Run(static_cast<int64_t>(blocks.size()) * p.num_kv_heads, [&](int64_t task) {
     const Block& block = blocks[task / p.num_kv_heads];
     const int64_t kv_head = task % p.num_kv_heads;
-    switch (head_dim) {
-      case 32: return AttendBlockAmx<2>(p, block, kv_head, context(block.seq, kv_head));
-      case 64: return AttendBlockAmx<4>(p, block, kv_head, context(block.seq, kv_head));
-      case 128: return AttendBlockAmx<8>(p, block, kv_head, context(block.seq, kv_head));
-      default: return AttendBlockAmx<16>(p, block, kv_head, context(block.seq, kv_head));
-    }
+    WithHeadDim(head_dim, [&](auto vd) {
+      constexpr int kVd = decltype(vd)::value;
+      if constexpr (kVd * kLanes % limits::kBf16x3HeadDimMultiple == 0) {
+        AttendBlockAmx<kVd>(p, block, kv_head, context(block.seq, kv_head));
+      }
+    });
   });
   return ffi::Error::Success();
 }
 #else
 ffi::Error PrefillOnAmx(const PrefillProblem&, int64_t, int64_t, const std::vector<Block>&) {
   return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                    "paged_prefill_bf16x3: built for a CPU without AMX");
+                    "paged_prefill_bf16x3: only the library's amx variant runs it");
 }
 #endif  // KVPAGE_AMX
 
@@ -669,8 +674,9 @@ ffi::Error PagedPrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
       static_cast<int64_t>(query_start_loc.element_count()) != num_seqs + 1 ||
       static_cast<int64_t>(context_lens.element_count()) != num_seqs || layer < 0 ||
       layer >= cache_dims[0] || !SupportedHeadDim(head_dim)) {
-    return ffi::Error::InvalidArgument("paged_prefill: inconsistent shapes or layer, or a "
-                                       "head_dim other than 16, 32, 64, 128 or 256");
+    return ffi::Error::InvalidArgument(
+        std::string("paged_prefill: inconsistent shapes or layer, or a head_dim other than ") +
+        limits::kHeadDimsText);
   }
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t block_tokens = std::max<int64_t>(1, kQueryRows / group);
@@ -698,18 +704,13 @@ ffi::Error PagedPrefill(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
   for (int64_t token = 0; token < num_tokens; ++token) {
     if (!covered[token]) std::fill_n(out_data + token * token_floats, token_floats, 0.0f);
   }
-  if (kAmx && head_dim % 32 == 0) return PrefillOnAmx(p, head_dim, num_seqs, blocks);
-  auto attend = [&](const Block& block, int64_t kv_head) {
-    switch (head_dim) {
-      case 16: return AttendBlock<1>(p, block, kv_head);
-      case 32: return AttendBlock<2>(p, block, kv_head);
-      case 64: return AttendBlock<4>(p, block, kv_head);
-      case 128: return AttendBlock<8>(p, block, kv_head);
-      default: return AttendBlock<16>(p, block, kv_head);
-    }
-  };
+  if (kAmx && head_dim % limits::kBf16x3HeadDimMultiple == 0) {
+    return PrefillOnAmx(p, head_dim, num_seqs, blocks);
+  }
   Workers::Run(static_cast<int64_t>(blocks.size()) * p.num_kv_heads, [&](int64_t task) {
-    attend(blocks[task / p.num_kv_heads], task % p.num_kv_heads);
+    WithHeadDim(head_dim, [&](auto vd) {
+      AttendBlock<decltype(vd)::value>(p, blocks[task / p.num_kv_heads], task % p.num_kv_heads);
+    });
   });
   return ffi::Error::Success();
 }
@@ -735,18 +736,23 @@ auto Results(Binding binding) {
 
 }  // namespace
 
-// Decode: + limits. Prefill: + query_start_loc, context_lens.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedDecode, PagedDecode,
+// Decode: + limits. Prefill: + query_start_loc, context_lens. Each named for its variant
+// (`KvpagePagedDecode_avx2`, ...; variant.h), found through dispatch.cc's table.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KVPAGE_HANDLER(KvpagePagedDecode), PagedDecode,
                               Results(Operands().Arg<ffi::Buffer<ffi::S32>>()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedPrefill, PagedPrefill<false>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KVPAGE_HANDLER(KvpagePagedPrefill), PagedPrefill<false>,
                               Results(Operands()
                                           .Arg<ffi::Buffer<ffi::S32>>()
                                           .Arg<ffi::Buffer<ffi::S32>>()));
 
 // The same in three bf16 passes on AMX (JAX's `Precision.HIGH`), for head sizes that are
-// multiples of 32; others as above.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KvpagePagedPrefillBf16x3, PagedPrefill<true>,
+// multiples of 32 (limits.py's BF16X3_HEAD_DIM_MULTIPLE); others as above. Only the amx
+// variant runs it (the others answer "unimplemented").
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KVPAGE_HANDLER(KvpagePagedPrefillBf16x3), PagedPrefill<true>,
                               Results(Operands()
                                           .Arg<ffi::Buffer<ffi::S32>>()
                                           .Arg<ffi::Buffer<ffi::S32>>()));
+
+}  // namespace KVPAGE_VARIANT_NAMESPACE
+}  // namespace kvpage
