@@ -46,11 +46,10 @@ _SIM_RATE = flags.DEFINE_string("sim_rate", "4",
                                 "Arrivals/s (13B): about what it serves without caching.")
 
 
-def run(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
-        caching: bool) -> dict:
+def run(config: ml_collections.ConfigDict, caching: bool) -> dict:
   config = ml_collections.ConfigDict(config.to_dict())
   config.cache.prefix_caching = caching
-  summary, _ = serve_bench.run_bench(config, settings, show_progress=False)
+  summary, _ = serve_bench.run_bench(config, show_progress=False)
   cache = summary["prefix_cache"]
   return dict(prefix_caching=caching, prefill_tokens_computed=summary["prefill_tokens_computed"],
               recomputed_tokens=summary["recomputed_tokens"],
@@ -62,10 +61,10 @@ def run(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
               pages_total=summary["pages_total"], duration_s=summary["duration_s"])
 
 
-def case(name: str, config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
-         suffix: int) -> dict:
+def case(name: str, config: ml_collections.ConfigDict, suffix: int) -> dict:
+  settings = serve_bench.BenchSettings.from_config(config)
   num, prefix, groups = settings.num_requests, _PREFIX.value, _GROUPS.value
-  runs = [run(config, settings, caching) for caching in (False, True)]
+  runs = [run(config, caching) for caching in (False, True)]
   return dict(name=name, model=config.model.name, num_requests=num, prefix_tokens=prefix,
               groups=groups, suffix_tokens=suffix, output_tokens=int(settings.output_len),
               arrival_rate=settings.arrival_rate, executor=settings.executor,
@@ -81,17 +80,18 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   shared = f"{_PREFIX.value}:{_GROUPS.value}"
   tiny_config = tiny.get_config()
-  tiny_settings = serve_bench.BenchSettings(
+  tiny_config.cache.num_pages = _TINY_PAGES.value
+  tiny_config.bench.update(dict(
       executor="jax", num_requests=_TINY_REQUESTS.value, arrival_rate=_TINY_RATE.value,
       prompt_len=str(_TINY_SUFFIX.value), output_len=str(_TINY_OUTPUT.value),
-      shared_prefix=shared, num_pages=_TINY_PAGES.value)
-  sim_settings = serve_bench.BenchSettings(
+      shared_prefix=shared))
+  sim_config = llama_13b.get_config()
+  sim_config.bench.update(dict(
       executor="sim", num_requests=_SIM_REQUESTS.value, arrival_rate=_SIM_RATE.value,
       prompt_len=str(_SIM_SUFFIX.value), output_len=str(_SIM_OUTPUT.value),
-      shared_prefix=shared)
-  cases = [case("real tiny, CPU", tiny_config, tiny_settings, _TINY_SUFFIX.value),
-           case("simulated Llama 2 13B, A100-80GB", llama_13b.get_config(), sim_settings,
-                _SIM_SUFFIX.value)]
+      shared_prefix=shared))
+  cases = [case("real tiny, CPU", tiny_config, _TINY_SUFFIX.value),
+           case("simulated Llama 2 13B, A100-80GB", sim_config, _SIM_SUFFIX.value)]
   for c in cases:
     print(f"\n{c['name']}: {c['num_requests']} requests at {c['arrival_rate']}/s, prefix "
           f"{c['prefix_tokens']} x {c['groups']} groups, suffix {c['suffix_tokens']}, output "

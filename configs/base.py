@@ -53,11 +53,12 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
     # Products of many rows (prompt chunks) in three bf16 passes on AMX where the CPU
     # has it (~1e-5 relative of fp32, twice XLA's fp32 speed); elsewhere fp32 as before.
     config.model.matmul_precision = "high"
-  # A real run's KV pool: `num_pages` when set, else as many pages as `kv_memory_gib`
-  # holds (4 GiB is vLLM's CPU default KV space), else (`kv_memory_gib=0`, as on a GPU)
-  # the memory plan: `memory_utilization` of the device, less the weights and the
-  # largest step's activations (`kvpage.sizing.real_pool_pages`). A simulated run's
-  # pool is always the plan's, on the hardware entry's memory (`sim_memory_plan`).
+  # A run's KV pool: `num_pages` when set (real and simulated runs alike), else for a
+  # real run as many pages as `kv_memory_gib` holds (4 GiB is vLLM's CPU default KV
+  # space), else (`kv_memory_gib=0`, as on a GPU) the memory plan: `memory_utilization`
+  # of the device, less the weights and the largest step's activations
+  # (`kvpage.sizing.real_pool_pages`); a simulated run's plan is on the hardware
+  # entry's memory (`sim_memory_plan`).
   # `prefix_caching`: full pages of computed tokens are named and shared by later
   # requests with the same prefix (kvpage.host.prefix_cache), on by default as in vLLM.
   config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0,
@@ -69,6 +70,26 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   config.sim = ml_collections.ConfigDict(dict(calibration=""))
   config.seed = 0
   config.scheduler = scheduler.get_scheduler_config()
+  # A serve_bench run (`experiments.serve_bench.BenchSettings`, whose flags of the same
+  # names set these): the executor, the workload (lengths as `N`, `uniform:LO:HI`,
+  # `lognormal:MEDIAN:MAX` or `mix:FRACTION:LONG:SHORT`; a rate in requests/s or `inf`;
+  # or a `trace` / `lengths_csv` file), its seed, the warm-up, and the goodput SLOs.
+  placeholder = ml_collections.config_dict.placeholder
+  config.bench = ml_collections.ConfigDict(dict(
+      executor="jax", num_requests=96, arrival_rate="40", arrival_process="poisson",
+      prompt_len="lognormal:64:512", output_len="uniform:16:128", priority="0",
+      shared_prefix="", conversation="", trace=placeholder(str), lengths_csv=placeholder(str),
+      checkpoint=placeholder(str), ignore_eos=True, max_tokens=0,
+      eos_token_id=placeholder(int), seed=0, warmup=True, slo_ttft=placeholder(float),
+      slo_tpot=placeholder(float)))
+  # How the streaming gateway (`python -m experiments.serve`) listens and answers
+  # (`kvpage.serve.app.ServerConfig.from_config`); its flags of the same names set these.
+  # `served_model_name` "" = the checkpoint's directory name, else the model's name;
+  # `max_queue_wait_s` None = no default wait deadline.
+  config.server = ml_collections.ConfigDict(dict(
+      host="127.0.0.1", port=8000, served_model_name="",
+      max_queue_wait_s=placeholder(float), drain_timeout_s=30.0,
+      status_interval_s=1.0, kv_pressure_status=503))
   return config
 
 
@@ -131,6 +152,9 @@ def check(config) -> None:
   cache = config.cache
   _positive_int("cache.page_size", cache.get("page_size"))
   _positive_int("cache.num_pages", cache.get("num_pages"), 0)
+  if cache.num_pages == 1:
+    raise ValueError("cache.num_pages must be 0 (sized from memory) or >= 2 (page 0 is the "
+                     "null page), got 1")
   budget = cache.get("kv_memory_gib")
   if budget != 0:
     _positive_number("cache.kv_memory_gib", budget)
@@ -141,6 +165,22 @@ def check(config) -> None:
   if not isinstance(cache.get("prefix_caching", False), bool):
     raise ValueError(f"cache.prefix_caching must be true or false, got "
                      f"{cache.get('prefix_caching')!r}")
+  if config.get("server") is not None:
+    check_server(config.server)
   if cache.get("kv_dtype") not in DTYPES:
     raise ValueError(f"cache.kv_dtype {cache.get('kv_dtype')!r}: choose one of "
                      f"{', '.join(DTYPES)}")
+
+
+def check_server(server) -> None:
+  """Raises `ValueError` naming the first field of a `server` section that cannot work."""
+  port = server.get("port")
+  if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+    raise ValueError(f"server.port must be in [0, 65535] (0: any free port), got {port!r}")
+  for name in ("drain_timeout_s", "status_interval_s", "max_queue_wait_s"):
+    value = server.get(name)
+    if value is not None or name != "max_queue_wait_s":
+      _positive_number(f"server.{name}", value)
+  if server.get("kv_pressure_status") not in (429, 503):
+    raise ValueError(f"server.kv_pressure_status must be 503 or 429, got "
+                     f"{server.get('kv_pressure_status')!r}")

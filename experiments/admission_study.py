@@ -60,33 +60,36 @@ SCALES = {"full": Scale(num_requests=600, seeds=3),
           "smoke": Scale(num_requests=200, seeds=1, watermarks=(0.0, 0.15, 0.30))}
 
 
-def base(scale: Scale, setup: SimSetup) -> tuple[Any, serve_bench.BenchSettings]:
-  settings = serve_bench.BenchSettings(executor="sim", hardware=setup.hardware,
-                                       num_requests=scale.num_requests, **WORKLOAD,
-                                       slo_ttft=SLO_TTFT_S, slo_tpot=setup.goodput_tpot_slo_s)
-  return setup.get_config(), settings
+def base(scale: Scale, setup: SimSetup) -> Any:
+  """The study's base run: the setup's config, simulated, with the study's workload."""
+  config = setup.get_config()
+  if setup.hardware is not None:  # else the config's own device
+    config.hardware = setup.hardware
+  config.bench.update(dict(executor="sim", num_requests=scale.num_requests, **WORKLOAD,
+                           slo_ttft=SLO_TTFT_S, slo_tpot=setup.goodput_tpot_slo_s))
+  return config
 
 
 def sustainable_rate(scale: Scale, setup: SimSetup) -> dict[str, Any]:
   """Requests/s finished with every request offered at once, admission at its most
   permissive (watermark 0, `fixed` estimate): the service rate."""
-  config, settings = base(scale, setup)
+  config = base(scale, setup)
   config.scheduler.watermark = 0.0
   config.scheduler.output_estimate = "fixed"
-  summary, _ = serve_bench.run_bench(
-      config, dataclasses.replace(settings, arrival_rate="inf"), show_progress=False)
+  config.bench.arrival_rate = "inf"
+  summary, _ = serve_bench.run_bench(config, show_progress=False)
   rate = summary["num_finished"] / summary["duration_s"]
   return dict(requests_per_s=rate, num_finished=summary["num_finished"],
               duration_s=summary["duration_s"], num_rejected=summary["num_rejected"])
 
 
 def cells(scale: Scale, rate: float,
-          setup: SimSetup) -> tuple[Any, serve_bench.BenchSettings, list[sweep.Cell]]:
-  config, settings = base(scale, setup)
+          setup: SimSetup) -> tuple[Any, list[sweep.Cell]]:
+  config = base(scale, setup)
   grid = [{"scheduler.watermark": watermark, "scheduler.output_estimate": estimate,
            "arrival_rate": f"{load * rate:.4g}"}
           for load in LOADS for estimate in scale.estimates for watermark in scale.watermarks]
-  return config, settings, sweep.plan_cells(config, settings, grid, range(scale.seeds))
+  return config, sweep.plan_cells(config, grid, range(scale.seeds))
 
 
 FIGURES = ("rejected_400", "rejected_429", "rejected_503", "num_preemptions",
@@ -173,8 +176,8 @@ def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
   """The study into `directory` (resumable) on `setup`; the record written to study.json."""
   calibration = sustainable_rate(scale, setup)
   rate = calibration["requests_per_s"]
-  config, settings, grid = cells(scale, rate, setup)
-  rows = sweep.run_sweep(config, settings, grid, directory / "runs", show_progress=show_progress)
+  config, grid = cells(scale, rate, setup)
+  rows = sweep.run_sweep(config, grid, directory / "runs", show_progress=show_progress)
   means = analyze(rows, rate)
   return dict(scale=dataclasses.asdict(scale), setup=setup.name, sustainable=calibration,
               loads=list(LOADS), means=means, claims=claims(means),

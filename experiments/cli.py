@@ -308,16 +308,26 @@ def run(main: Callable[[list[str]], None]) -> None:
   app.run(lambda argv: sys.exit(_guarded(main, argv)), flags_parser=flags_parser)
 
 
+def page_count_for_checkpoint(config: Any, checkpoint: str | None, num_pages_flag: str) -> None:
+  """A config file's page count (`cache.num_pages`) sizes the config's own model: when a
+  checkpoint replaces the model, the count gives way to the byte budget (bytes are
+  model-independent, pages are not), unless the command line set it (the flag
+  `num_pages_flag`, or `--config.cache.num_pages`)."""
+  given = (flags.FLAGS[num_pages_flag].present
+           or ("config.cache.num_pages" in flags.FLAGS
+               and flags.FLAGS["config.cache.num_pages"].present))
+  if checkpoint and not given and config.cache.num_pages:
+    logging.info("cache.num_pages=%d sizes the config's own model; the checkpoint's pool "
+                 "comes from the byte budget", config.cache.num_pages)
+    config.cache.num_pages = 0
+
+
 def serving_engine(config: Any, *, executor: str, hardware: Any, checkpoint: str | None = None,
-                   pages_set: bool = False, **options: Any) -> Any:
+                   **options: Any) -> Any:
   """`kvpage.build.serving_engine` for the experiments: the Llama model, its weights from
   `checkpoint` when given (its model section replaces the config's, which keeps its run
   choices and takes the checkpoint's precision for the cache), and the calibration files
-  shipped in `configs/calibrations/`.
-
-  A config file's page count (`cache.num_pages`) sizes the config's own model; with a
-  checkpoint it is dropped for the byte budget (bytes are model-independent, pages are
-  not), unless the command line set it (`pages_set`: `--num_pages`)."""
+  shipped in `configs/calibrations/`."""
   from configs import hardware as hardware_lib
   from kvpage import build, sizing
   from kvpage.device import backends
@@ -332,14 +342,8 @@ def serving_engine(config: Any, *, executor: str, hardware: Any, checkpoint: str
     backends.RunChoices.of(config.model).write(model_config)
     config.model = model_config
     config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
-  dropped = checkpoint and not pages_set and config.cache.num_pages
-  if dropped:
-    config.cache.num_pages = 0
-  setup = build.serving_engine(config, executor=executor, hardware=hardware, model=llama,
-                               params=params, calibrations=hardware_lib.CALIBRATIONS, **options)
-  if dropped:
-    setup.pool_reason += f" (cache.num_pages={dropped:,} sizes the config's own model)"
-  return setup
+  return build.serving_engine(config, executor=executor, hardware=hardware, model=llama,
+                              params=params, calibrations=hardware_lib.CALIBRATIONS, **options)
 
 
 def backends_line(record: dict) -> str:

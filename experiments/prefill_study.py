@@ -42,7 +42,7 @@ import numpy as np
 from absl import flags
 
 from configs import tiny
-from experiments import cli, serve_bench, sim_setups, sweep
+from experiments import cli, sim_setups, sweep
 from experiments.sim_setups import SimSetup
 
 _SCALE = flags.DEFINE_enum("scale", "full", ["smoke", "full"], "How big: smoke = a minute.")
@@ -113,30 +113,30 @@ def policy_name(cell: dict[str, Any]) -> str:
   return f"{name} / budget {cell['scheduler.max_num_batched_tokens']}"
 
 
-def sim_cells(scale: Scale, setup: SimSetup) -> tuple[
-    ml_collections.ConfigDict, serve_bench.BenchSettings, list[sweep.Cell]]:
+def sim_cells(scale: Scale, setup: SimSetup) -> tuple[ml_collections.ConfigDict,
+                                                      list[sweep.Cell]]:
   config = setup.get_config()
-  settings = serve_bench.BenchSettings(executor="sim", hardware=setup.hardware,
-                                       num_requests=scale.sim_requests, **SIM_WORKLOAD)
+  if setup.hardware is not None:  # else the config's own device
+    config.hardware = setup.hardware
+  config.bench.update(dict(executor="sim", num_requests=scale.sim_requests, **SIM_WORKLOAD))
   grid = [policy | {"arrival_rate": f"{rate * setup.rate_scale:g}"}
           for policy in policies(SIM_CHUNKS, scale.sim_budgets) for rate in scale.sim_rates]
-  return config, settings, sweep.plan_cells(config, settings, grid, range(scale.sim_seeds))
+  return config, sweep.plan_cells(config, grid, range(scale.sim_seeds))
 
 
-def tiny_cells(scale: Scale) -> tuple[ml_collections.ConfigDict, serve_bench.BenchSettings,
-                                      list[sweep.Cell]]:
+def tiny_cells(scale: Scale) -> tuple[ml_collections.ConfigDict, list[sweep.Cell]]:
   config = tiny.get_config()
   if scale.tiny_max_len:
     config.model.max_seq_len = scale.tiny_max_len
   if scale.tiny_num_layers:
     config.model.num_layers = scale.tiny_num_layers
   budget = max((*scale.tiny_chunks, config.model.max_seq_len))
-  settings = serve_bench.BenchSettings(
+  config.bench.update(dict(
       executor="jax", num_requests=scale.tiny_requests, warmup=scale.tiny_warmup,
-      prompt_len=f"mix:0.2:{scale.tiny_long_prompt}:24", output_len=TINY_OUTPUT_LEN)
+      prompt_len=f"mix:0.2:{scale.tiny_long_prompt}:24", output_len=TINY_OUTPUT_LEN))
   grid = [policy | {"arrival_rate": str(rate)}
           for policy in policies(scale.tiny_chunks, (budget,)) for rate in scale.tiny_rates]
-  return config, settings, sweep.plan_cells(config, settings, grid, [0])
+  return config, sweep.plan_cells(config, grid, [0])
 
 
 def by_policy(rows: Sequence[dict]) -> dict[str, dict[float, list[dict]]]:
@@ -281,16 +281,16 @@ def run(scale: Scale, directory: pathlib.Path, parts: Sequence[str] = ("sim", "t
   simulated part on `setup`; returns the record written to study.json."""
   record: dict[str, Any] = dict(scale=dataclasses.asdict(scale))
   if "sim" in parts:
-    config, settings, cells = sim_cells(scale, setup)
-    rows = sweep.run_sweep(config, settings, cells, directory / "sim",
+    config, cells = sim_cells(scale, setup)
+    rows = sweep.run_sweep(config, cells, directory / "sim",
                            show_progress=show_progress)
     analysis = analyze(rows, setup.tpot_slo_s, setup.itl_slo_s)
     record["sim"] = dict(analysis=analysis, premises=rows[0]["premises"], setup=setup.name,
                          claims={str(b): claims(analysis, b) for b in scale.sim_budgets})
     record["sim_rows"] = rows
   if "tiny" in parts:
-    config, settings, cells = tiny_cells(scale)
-    rows = sweep.run_sweep(config, settings, cells, directory / "tiny",
+    config, cells = tiny_cells(scale)
+    rows = sweep.run_sweep(config, cells, directory / "tiny",
                            show_progress=show_progress)
     analysis = analyze(rows, TINY_TPOT_SLO_S, TINY_ITL_SLO_S)
     budget = cells[0].values["scheduler.max_num_batched_tokens"]

@@ -32,11 +32,29 @@ _TENSOR_PARALLEL = cli.define_tensor_parallel()
 _PROCESSES = cli.define_processes()
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face Llama checkpoint dir "
                                   "(with its tokenizer).")
-_HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to listen on.")
-_PORT = flags.DEFINE_integer("port", 8000, "Port to listen on; 0 = any free port.")
-_MODEL_NAME = flags.DEFINE_string("served_model_name", None,
-                                  "Model name clients ask for (default: the checkpoint's "
-                                  "directory name, or the config's model name).")
+# The gateway's flags are shortcuts for the config's `server` section (`--port=0` sets
+# `--config.server.port=0`): the config is the one record of them.
+_SERVER_FLAGS = {
+    "host": flags.DEFINE_string("host", None, "Address to listen on (server.host)."),
+    "port": flags.DEFINE_integer("port", None, "Port to listen on; 0 = any free port "
+                                 "(server.port)."),
+    "served_model_name": flags.DEFINE_string(
+        "served_model_name", None, "Model name clients ask for (server.served_model_name; "
+        "default: the checkpoint's directory name, or the config's model name)."),
+    "max_queue_wait_s": flags.DEFINE_float(
+        "max_queue_wait_s", None,
+        "Default wait deadline, seconds to the first step (server.max_queue_wait_s)."),
+    "drain_timeout_s": flags.DEFINE_float(
+        "drain_timeout_s", None,
+        "On SIGTERM, how long live requests may still run (server.drain_timeout_s)."),
+    "status_interval_s": flags.DEFINE_float(
+        "status_interval_s", None,
+        "Seconds between queueing statuses on a waiting stream (server.status_interval_s)."),
+    "kv_pressure_status": flags.DEFINE_enum(
+        "kv_pressure_status", None, ["503", "429"],
+        "HTTP status for cache pressure, 429 for proxies that eject upstreams answering "
+        "5xx (server.kv_pressure_status)."),
+}
 _NUM_PAGES = flags.DEFINE_integer("num_pages", None, "Shortcut for --config.cache.num_pages: "
                                   "KV pages incl. the null page; 0 = what "
                                   "cache.kv_memory_gib holds, else (kv_memory_gib=0) the "
@@ -46,15 +64,6 @@ _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
                               "model of --hardware, every step slept through; token ids only).")
 _HARDWARE = flags.DEFINE_string("hardware", None,
                                 "Shortcut for --config.hardware: the simulated device.")
-_MAX_QUEUE_WAIT = flags.DEFINE_float("max_queue_wait_s", None,
-                                     "Default wait deadline (seconds to the first step).")
-_DRAIN_TIMEOUT = flags.DEFINE_float("drain_timeout_s", 30.0,
-                                    "On SIGTERM, how long live requests may still run.")
-_STATUS_INTERVAL = flags.DEFINE_float("status_interval_s", 1.0,
-                                      "Seconds between queueing statuses on a waiting stream.")
-_KV_PRESSURE_STATUS = flags.DEFINE_enum("kv_pressure_status", "503", ["503", "429"],
-                                        "HTTP status for cache pressure (429 for proxies "
-                                        "that eject upstreams answering 5xx).")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before the port opens.")
 _WARMUP_SAMPLING = flags.DEFINE_bool("warmup_sampling", True,
                                      "Also compile the sampled (temperature > 0) steps.")
@@ -64,16 +73,9 @@ _SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
 
 
 def check_flags() -> None:
-  if not 0 <= _PORT.value <= 65535:
-    raise ValueError(f"--port must be in [0, 65535], got {_PORT.value}")
   if _NUM_PAGES.value is not None and (_NUM_PAGES.value < 0 or _NUM_PAGES.value == 1):
     raise ValueError(f"--num_pages must be 0 (sized from memory) or >= 2, got "
                      f"{_NUM_PAGES.value}")
-  for name, value in (("max_queue_wait_s", _MAX_QUEUE_WAIT.value),
-                      ("drain_timeout_s", _DRAIN_TIMEOUT.value),
-                      ("status_interval_s", _STATUS_INTERVAL.value)):
-    if value is not None and not 0 < value < float("inf"):
-      raise ValueError(f"--{name} must be a number of seconds > 0, got {value}")
 
 
 def main(argv: list[str]) -> None:
@@ -93,6 +95,10 @@ def main(argv: list[str]) -> None:
     config.hardware = _HARDWARE.value
   if _NUM_PAGES.value is not None:
     config.cache.num_pages = _NUM_PAGES.value
+  cli.page_count_for_checkpoint(config, _CHECKPOINT.value, "num_pages")
+  for name, holder in _SERVER_FLAGS.items():
+    if holder.value is not None:
+      config.server[name] = int(holder.value) if name == "kv_pressure_status" else holder.value
   configs_check.check(config)
   tokenizer, eos_ids = None, ()
   if _CHECKPOINT.value:
@@ -103,8 +109,7 @@ def main(argv: list[str]) -> None:
     raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
   setup = cli.serving_engine(config, executor=_EXECUTOR.value,
                              hardware=hardware_lib.get_hardware(config.hardware),
-                             checkpoint=_CHECKPOINT.value,
-                             pages_set=_NUM_PAGES.value is not None, paced=True)
+                             checkpoint=_CHECKPOINT.value, paced=True)
   if tokenizer is not None and len(tokenizer) > setup.config.model.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                      f"is {setup.config.model.vocab_size}")
@@ -128,17 +133,16 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...]) 
                                    scheduler_config.max_num_batched_tokens, all_greedy=greedy,
                                    num_decode_steps=scheduler_config.num_decode_steps)
     print(f"kvpage serve: compiled {count} step programs", flush=True)
-  name = _MODEL_NAME.value or (_CHECKPOINT.value.rstrip("/").split("/")[-1]
-                               if _CHECKPOINT.value else setup.config.model.name)
-  server_config = app_lib.ServerConfig(
-      model_name=name, max_model_len=engine.scheduler.max_model_len,
-      status_interval_s=_STATUS_INTERVAL.value, max_queue_wait_s=_MAX_QUEUE_WAIT.value,
-      kv_pressure_status=int(_KV_PRESSURE_STATUS.value),
-      drain_timeout_s=_DRAIN_TIMEOUT.value, eos_token_ids=eos_ids, backends=setup.backends)
+  server = setup.config.server
+  name = (_CHECKPOINT.value.rstrip("/").split("/")[-1] if _CHECKPOINT.value
+          else setup.config.model.name)
+  server_config = app_lib.ServerConfig.from_config(
+      server, model_name=name, max_model_len=engine.scheduler.max_model_len,
+      eos_token_ids=eos_ids, backends=setup.backends)
   if setup.backends:
     print(f"kvpage serve: kernels: {cli.backends_line(setup.backends)}", flush=True)
   gateway = app_lib.Gateway(engine, server_config, tokenizer)
-  server_lib.serve(gateway, host=_HOST.value, port=_PORT.value,
+  server_lib.serve(gateway, host=server.host, port=server.port,
                    banner=f"{setup.num_pages:,} KV pages"
                    + (f" ({setup.memory_plan.reason()})" if setup.memory_plan
                       else f" ({setup.pool_reason})" if setup.pool_reason else ""))

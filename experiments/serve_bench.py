@@ -16,8 +16,12 @@ and writes `summary.json`, `steps.jsonl`, `requests.jsonl` and `trace.jsonl` to
 `--config.scheduler.KNOB=VALUE` or the shortcut flags below. `--plot` draws the run's
 timeline and latency CDFs into `timeline.png` (the `notebooks` extra: matplotlib).
 
-`run_bench(config, BenchSettings(...))` is the flag-free core: `experiments/sweep.py`,
-the studies and the notebooks call it, so one cell of a sweep is exactly this run.
+The config is the one record of a run: the workload and the run's own settings are
+its `bench` section (`configs.base`; `BenchSettings` is the typed view of it), and every
+flag below that names a setting is a shortcut that writes the config (`--arrival_rate=4`
+is `--config.bench.arrival_rate=4`; `--num_pages` is `--config.cache.num_pages`).
+`run_bench(config)` is the flag-free core: `experiments/sweep.py`, the studies and the
+notebooks call it, so one cell of a sweep is exactly this run.
 """
 
 import contextlib
@@ -38,7 +42,8 @@ from kvpage.sim import capacity, replay, workload
 from models import hf, llama
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file.")
-# A run's settings: each flag is the `BenchSettings` field of its name.
+# A run's settings: each flag is a shortcut for the config entry of its name, in the
+# `bench` section (a `BenchSettings` field) or another (`CONFIG_SHORTCUTS`).
 flags.DEFINE_enum("executor", "jax", ["jax", "sim"], "Real model or simulated GPU.")
 flags.DEFINE_string("hardware", None, "Shortcut for --config.hardware: the simulated device.")
 _CALIBRATION = flags.DEFINE_string(
@@ -89,13 +94,18 @@ _PLOT = flags.DEFINE_bool("plot", False, "Draw the figures (serve_bench: timelin
 _SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
 
 
+# The flags that are shortcuts for config entries outside the `bench` section.
+CONFIG_SHORTCUTS = {"hardware": "hardware", "num_pages": "cache.num_pages",
+                    "page_size": "cache.page_size",
+                    "num_host_pages": "scheduler.num_host_pages"}
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchSettings:
-  """Everything a serve_bench run takes besides the config: one field per flag above
-  (same names, same defaults), so a sweep can set any of them."""
+  """The typed view of a config's `bench` section (`from_config`): the workload and how
+  the run measures, one field per entry and per flag of the same name."""
 
   executor: str = "jax"
-  hardware: str | None = None
   num_requests: int = 96
   arrival_rate: str = "40"
   arrival_process: str = "poisson"
@@ -111,20 +121,20 @@ class BenchSettings:
   max_tokens: int = 0
   eos_token_id: int | None = None
   seed: int = 0
-  num_pages: int | None = None
-  page_size: int | None = None
-  num_host_pages: int | None = None
   warmup: bool = True
   slo_ttft: float | None = None
   slo_tpot: float | None = None
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "BenchSettings":
+    """The settings of `config.bench`."""
+    return cls(**{field.name: config.bench[field.name]
+                  for field in dataclasses.fields(cls)})
 
   def check(self) -> None:
     """Rejects values no run could use, before anything is built."""
     if self.executor not in ("jax", "sim"):
       raise ValueError(f"--executor must be jax or sim, got {self.executor!r}")
-    if self.num_pages is not None and (self.num_pages < 0 or self.num_pages == 1):
-      raise ValueError(f"--num_pages must be 0 (auto) or >= 2 (page 0 is the null page), "
-                       f"got {self.num_pages}")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"--seed must be in [0, 2**32), got {self.seed}")
     if self.checkpoint and self.executor == "sim":
@@ -132,41 +142,57 @@ class BenchSettings:
     for name, value in (("slo_ttft", self.slo_ttft), ("slo_tpot", self.slo_tpot)):
       if value is not None and not value > 0:
         raise ValueError(f"--{name} must be > 0 seconds, got {value}")
-    if self.page_size is not None and self.page_size <= 0:
-      raise ValueError(f"--page_size must be a positive number of tokens, got {self.page_size}")
     if not 0 <= self.max_tokens <= workload.MAX_LENGTH:
       raise ValueError(f"--max_tokens must be in [0, {workload.MAX_LENGTH:,}], got "
                        f"{self.max_tokens}")
-    if self.num_host_pages is not None and self.num_host_pages < 0:
-      raise ValueError(f"--num_host_pages must be >= 0, got {self.num_host_pages}")
 
 
-def settings_from_flags() -> BenchSettings:
-  """The settings the command line gave (every field is the flag of its name)."""
-  return BenchSettings(**{field.name: flags.FLAGS[field.name].value
-                          for field in dataclasses.fields(BenchSettings)})
+SETTINGS = tuple(field.name for field in dataclasses.fields(BenchSettings))
+
+
+def setting_path(key: str) -> str | None:
+  """The config entry a serve_bench flag writes (`bench.KEY`, or a shortcut's), or None."""
+  if key in SETTINGS:
+    return f"bench.{key}"
+  return CONFIG_SHORTCUTS.get(key)
+
+
+def set_path(config: ml_collections.ConfigDict, path: str, value: object) -> None:
+  """Sets the config entry at the dotted `path` (its sections must exist)."""
+  *sections, name = path.split(".")
+  node = config
+  for section in sections:
+    node = node[section]
+  node[name] = value
+
+
+def check_shortcuts(values: dict[str, object]) -> None:
+  """Rejects shortcut flag values no run could use, named by their flags."""
+  num_pages, page_size, host_pages = (values.get(name) for name in (
+      "num_pages", "page_size", "num_host_pages"))
+  if num_pages is not None and (num_pages < 0 or num_pages == 1):
+    raise ValueError(f"--num_pages must be 0 (auto) or >= 2 (page 0 is the null page), "
+                     f"got {num_pages}")
+  if page_size is not None and page_size <= 0:
+    raise ValueError(f"--page_size must be a positive number of tokens, got {page_size}")
+  if host_pages is not None and host_pages < 0:
+    raise ValueError(f"--num_host_pages must be >= 0, got {host_pages}")
 
 
 def config_from_flags() -> ml_collections.ConfigDict:
-  """`--config` with its overrides and the scheduler shortcut flags applied."""
+  """`--config` with its overrides, then every shortcut flag given on the command line
+  (the settings, the scheduler's, `--calibration`) written into it."""
   config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
   if _CALIBRATION.value is not None:
     config.sim.calibration = _CALIBRATION.value
+  given = {name: flags.FLAGS[name].value for name in (*SETTINGS, *CONFIG_SHORTCUTS)
+           if flags.FLAGS[name].present}
+  check_shortcuts(given)
+  for name, value in given.items():
+    set_path(config, setting_path(name), value)
+  cli.page_count_for_checkpoint(config, config.bench.checkpoint, "num_pages")
   return config
-
-
-def apply_settings(config: ml_collections.ConfigDict, settings: BenchSettings) -> None:
-  """The settings that are shortcuts for config entries (`hardware`, `num_pages`,
-  `page_size`, `num_host_pages`), into it: the config is the one record of them."""
-  if settings.hardware is not None:
-    config.hardware = settings.hardware
-  if settings.num_pages is not None:
-    config.cache.num_pages = settings.num_pages
-  if settings.page_size is not None:
-    config.cache.page_size = settings.page_size
-  if settings.num_host_pages is not None:
-    config.scheduler.num_host_pages = settings.num_host_pages
 
 
 def load_trace(config: ml_collections.ConfigDict,
@@ -190,13 +216,12 @@ def load_trace(config: ml_collections.ConfigDict,
                                 vocab_size=config.model.vocab_size, seed=settings.seed)
 
 
-def prepare(config: ml_collections.ConfigDict,
-            settings: BenchSettings) -> list[workload.TraceRequest]:
-  """Checks `settings` and applies them to `config` (pass a copy to keep yours):
-  everything a run could refuse is refused here, before an engine is built. Returns
-  the workload, drawn (or read) here so that a bad spec fails now."""
+def prepare(config: ml_collections.ConfigDict) -> list[workload.TraceRequest]:
+  """Checks `config` as its run would: everything a run could refuse is refused here,
+  before an engine is built. Returns the workload, drawn (or read) here so that a bad
+  spec fails now."""
+  settings = BenchSettings.from_config(config)
   settings.check()
-  apply_settings(config, settings)
   configs_check.check(config)
   hardware_lib.get_hardware(config.hardware)
   eos = settings.eos_token_id
@@ -223,13 +248,14 @@ def pages_needed(config: ml_collections.ConfigDict, settings: BenchSettings,
       len(item.prompt_ids) + max(item.output_len, settings.max_tokens) for item in trace])
 
 
-def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
-              show_progress: bool = True,
+def run_bench(config: ml_collections.ConfigDict, *, show_progress: bool = True,
               bars: progress.Bars | None = None) -> tuple[dict, dict[str, str]]:
-  """One run: builds the engine, replays the workload; returns the summary and the files
-  (`summary.json`, `steps.jsonl`, `requests.jsonl`, `trace.jsonl`) by name."""
+  """One run of `config` (its `bench` section: the workload and the run): builds the
+  engine, replays the workload; returns the summary and the files (`summary.json`,
+  `steps.jsonl`, `requests.jsonl`, `trace.jsonl`) by name."""
   config = ml_collections.ConfigDict(config.to_dict())  # the caller's stays as it was
-  trace = prepare(config, settings)
+  trace = prepare(config)
+  settings = BenchSettings.from_config(config)
   hardware = hardware_lib.get_hardware(config.hardware)
   served = config  # the config with the model that will be served
   if settings.checkpoint:  # token ids drawn from the checkpoint's vocabulary, not the config's
@@ -238,7 +264,6 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
     trace = load_trace(served, settings)
   setup = cli.serving_engine(config, executor=settings.executor, hardware=hardware,
                              checkpoint=settings.checkpoint,
-                             pages_set=settings.num_pages is not None,
                              pages_needed=pages_needed(served, settings, trace))
   if build.follow(setup.engine):  # a process other than 0 of a multi-process run
     return {}, {}
@@ -252,16 +277,16 @@ def run_bench(config: ml_collections.ConfigDict, settings: BenchSettings, *,
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
-  settings, config = settings_from_flags(), config_from_flags()
-  cli.initialize_processes(_PROCESSES, settings.executor)
+  config = config_from_flags()
+  cli.initialize_processes(_PROCESSES, config.bench.executor)
   if _PROCESSES.process_id.value > 0:  # steps for process 0, which reports
-    run_bench(config, settings, show_progress=False)
+    run_bench(config, show_progress=False)
     return
   if _PLOT.value:
     from experiments import plots  # fails now, not after the run, without matplotlib
   with cli.workdir(_WORKDIR.value) as workdir:  # fail now, not after the run
     cli.enable_compilation_cache(_COMPILATION_CACHE.value)
-    summary, files = run_bench(config, settings)
+    summary, files = run_bench(config)
     cli.write_files(workdir, files)
     if _PLOT.value:
       plots.save(plots.timeline(summary, plots.read_jsonl(workdir / "steps.jsonl"),

@@ -5,10 +5,11 @@ r"""A grid of serve_bench runs over any config keys and serve_bench flags, resum
       --sweep=scheduler.prefill_policy=none,chunked --sweep=chunk_size=256,512,2048 \
       --sweep=arrival_rate=1,2,4,8 --seeds=3 --workdir=workdir/sweep/prefill --plot
 
-Every serve_bench flag sets the base run; each `--sweep=KEY=V1,V2,...` turns one key,
-and the grid is their product times `--seeds` seeds (the base `--seed` and the ones
-after it). A KEY is a serve_bench flag (`arrival_rate`, `prompt_len`, `num_pages`, ...),
-a scheduler shortcut (`chunk_size` is `scheduler.chunk_size`) or any config path
+Every serve_bench flag sets the base run (the config: each flag writes its entry); each
+`--sweep=KEY=V1,V2,...` turns one key, and the grid is their product times `--seeds`
+seeds (the base `--seed` and the ones after it). A KEY is a serve_bench flag
+(`arrival_rate` is `bench.arrival_rate`, `num_pages` is `cache.num_pages`, ...), a
+scheduler shortcut (`chunk_size` is `scheduler.chunk_size`) or any config path
 (`scheduler.watermark`, `cache.page_size`, `model.dtype`); values are typed and checked
 like the flag or the config value they replace. The whole grid is checked before the
 first run: an unknown key, an empty list or a cell no run could take (a chunk larger
@@ -21,7 +22,7 @@ real model. `--workdir` gets:
   results.jsonl   one row per run, appended as it ends: the cell (swept values, seed),
                   the flat metrics, the whole summary (with its premises)
   results.csv     the tidy table: one line per run, swept values then metrics
-  sweep.json      the base settings and the grid; a later run with other base settings
+  sweep.json      the base config and the grid; a later run with another base config
                   is refused, one with more values resumes (done cells are skipped)
   curves.png      with --plot: the standard metrics against the load, one line per policy
   runs/CELL_ID/   with --keep_runs: each run's serve_bench files
@@ -50,7 +51,9 @@ _KEEP_RUNS = flags.DEFINE_bool("keep_runs", False, "Keep each run's files in run
 flags.FLAGS.set_default("workdir", "workdir/sweep")
 
 RESULTS, TABLE, MANIFEST, CURVES = "results.jsonl", "results.csv", "sweep.json", "curves.png"
-SETTINGS = tuple(field.name for field in dataclasses.fields(serve_bench.BenchSettings))
+# The serve_bench flags a sweep may turn: the settings, and the shortcuts for other
+# config entries.
+FLAG_KEYS = (*serve_bench.SETTINGS, *serve_bench.CONFIG_SHORTCUTS)
 # The figures of a row, flat: name -> how to read it from a serve_bench summary.
 METRICS: dict[str, Callable[[dict], Any]] = {
     "num_requests": lambda s: s["num_requests"],
@@ -92,9 +95,9 @@ def flatten(summary: dict) -> dict[str, Any]:
 
 @dataclasses.dataclass(frozen=True)
 class Axis:
-  """One swept key: a serve_bench setting or a config path, and its typed values."""
+  """One swept key: a serve_bench flag or a config path, and its typed values."""
 
-  key: str  # a `BenchSettings` field, or a dotted config path
+  key: str  # a serve_bench flag (`FLAG_KEYS`), or a dotted config path
   values: tuple[Any, ...]
 
 
@@ -139,7 +142,7 @@ def parse_axis(text: str, config: ml_collections.ConfigDict) -> Axis:
     raise ValueError("--sweep seed: use --seeds=N (seeds --seed, --seed + 1, ...)")
   if key in cli.SCHEDULER_SHORTCUTS:
     key = f"scheduler.{key}"
-  if key in SETTINGS:
+  if key in FLAG_KEYS:
     parser = flags.FLAGS[key].parser  # the flag's own: its type and its choices
     try:
       return Axis(key, tuple(parser.parse(value) for value in values))
@@ -160,8 +163,11 @@ class Cell:
   """One run of the grid."""
 
   values: dict[str, Any]  # swept key -> value, then "seed"
-  config: ml_collections.ConfigDict
-  settings: serve_bench.BenchSettings
+  config: ml_collections.ConfigDict  # the whole run: `serve_bench.run_bench(config)`
+
+  @property
+  def settings(self) -> serve_bench.BenchSettings:
+    return serve_bench.BenchSettings.from_config(self.config)
 
   @property
   def cell_id(self) -> str:
@@ -175,63 +181,65 @@ def cell_id(values: dict[str, Any]) -> str:
   return hashlib.sha1(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def plan(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
-         axes: Sequence[Axis], seeds: Sequence[int]) -> list[Cell]:
+def plan(config: ml_collections.ConfigDict, axes: Sequence[Axis],
+         seeds: Sequence[int]) -> list[Cell]:
   """Every cell of the grid `axes` x `seeds`, each checked as its run would check it."""
   keys = [axis.key for axis in axes]
   if len(set(keys)) < len(keys):
     raise ValueError(f"--sweep names a key twice: {sorted(k for k in keys if keys.count(k) > 1)}")
   combinations = [dict(zip(keys, values, strict=True))
                   for values in itertools.product(*(axis.values for axis in axes))]
-  return plan_cells(config, settings, combinations, seeds)
+  return plan_cells(config, combinations, seeds)
 
 
-def plan_cells(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
-               combinations: Sequence[dict[str, Any]], seeds: Sequence[int]) -> list[Cell]:
-  """A cell per combination (key -> value: a `BenchSettings` field or a config path) and
-  seed, each checked as its run would check it: a cell no run could take raises
-  `ValueError` naming the cell, before anything runs. Studies whose grid is not a
-  product (prefill-first has no chunk size) list their combinations here."""
+def config_path(key: str) -> str:
+  """The config entry a swept key names: a serve_bench flag's, else the key itself."""
+  return serve_bench.setting_path(key) or key
+
+
+def plan_cells(config: ml_collections.ConfigDict, combinations: Sequence[dict[str, Any]],
+               seeds: Sequence[int]) -> list[Cell]:
+  """A cell per combination (key -> value: a serve_bench flag or a config path) and
+  seed (`bench.seed`), each checked as its run would check it: a cell no run could take
+  raises `ValueError` naming the cell, before anything runs. Studies whose grid is not
+  a product (prefill-first has no chunk size) list their combinations here."""
   if not seeds:
     raise ValueError("--seeds must be >= 1")
   cells = []
   for combination, seed in itertools.product(combinations, seeds):
     values = dict(combination) | {"seed": seed}
     cell_config = ml_collections.ConfigDict(config.to_dict())
-    changes: dict[str, Any] = {"seed": seed}
-    for key, value in combination.items():
-      if key in SETTINGS:
-        changes[key] = value
-      else:
-        section, _, name = key.rpartition(".")
-        try:
-          node = _config_value(cell_config, section) if section else cell_config
-        except KeyError as error:
-          raise ValueError(f"no config key {key!r} (no {error.args[0]!r})") from None
-        node[name] = value
-    cell = Cell(values, cell_config, dataclasses.replace(settings, **changes))
-    try:  # what run_bench would refuse, refused now (on a copy: prepare applies settings)
-      serve_bench.prepare(ml_collections.ConfigDict(cell_config.to_dict()), cell.settings)
+    for key, value in values.items():
+      section, _, name = config_path(key).rpartition(".")
+      try:
+        node = _config_value(cell_config, section) if section else cell_config
+      except KeyError as error:
+        raise ValueError(f"no config key {key!r} (no {error.args[0]!r})") from None
+      node[name] = value
+    cell = Cell(values, cell_config)
+    try:  # what run_bench would refuse, refused now (on a copy, as run_bench takes one)
+      serve_bench.prepare(ml_collections.ConfigDict(cell_config.to_dict()))
     except ValueError as error:
       raise ValueError(f"the cell {cell.describe()} cannot run: {error}") from None
     cells.append(cell)
   return cells
 
 
-def manifest(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
-             cells: Sequence[Cell]) -> dict[str, Any]:
-  """The base settings (what no cell changes) and the grid, for sweep.json."""
-  swept = {key for cell in cells for key in cell.values}
+def manifest(config: ml_collections.ConfigDict, cells: Sequence[Cell]) -> dict[str, Any]:
+  """The base config (less what the cells change) and the grid, for sweep.json."""
   grid: dict[str, list[Any]] = {}
   for cell in cells:
     for key, value in cell.values.items():
       if value not in grid.setdefault(key, []):
         grid[key].append(value)
-  return dict(
-      base=dict(settings={k: v for k, v in dataclasses.asdict(settings).items()
-                          if k not in swept},
-                config=config.to_dict()),
-      grid=grid, num_cells=len(cells))
+  base = config.to_dict()
+  for key in grid:
+    *sections, name = config_path(key).split(".")
+    node = base
+    for section in sections:
+      node = node[section]
+    node.pop(name, None)
+  return dict(base=dict(config=base), grid=grid, num_cells=len(cells))
 
 
 def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -250,7 +258,7 @@ def check_manifest(directory: pathlib.Path, record: dict[str, Any]) -> None:
   differences = _differences(json.loads(json.dumps(old["base"])),
                              json.loads(json.dumps(record["base"])))
   if differences:
-    raise ValueError(f"--workdir {directory} holds a sweep of other base settings (they "
+    raise ValueError(f"--workdir {directory} holds a sweep of another base config (they "
                      f"differ in {', '.join(differences[:5])}); pass a new --workdir, or the "
                      "same base flags to resume it")
 
@@ -284,13 +292,13 @@ def tidy_table(rows: Sequence[dict[str, Any]]) -> str:
   return out.getvalue()
 
 
-def run_sweep(config: ml_collections.ConfigDict, settings: serve_bench.BenchSettings,
-              cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: bool = True,
+def run_sweep(config: ml_collections.ConfigDict, cells: Sequence[Cell],
+              directory: pathlib.Path, *, show_progress: bool = True,
               keep_runs: bool = False) -> list[dict[str, Any]]:
   """`run_cells` in `directory` after checking and writing its sweep.json: the whole of a
   sweep, for studies and notebooks."""
   directory.mkdir(parents=True, exist_ok=True)
-  record = manifest(config, settings, cells)
+  record = manifest(config, cells)
   check_manifest(directory, record)
   cli.write_files(directory, {MANIFEST: json.dumps(record, indent=2)})
   return run_cells(cells, directory, show_progress=show_progress, keep_runs=keep_runs)
@@ -306,7 +314,7 @@ def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: 
     grid = bars.add(f"sweep {len(cells) - len(todo)}/{len(cells)} done", len(todo))
     for number, cell in enumerate(todo):
       grid.update(number, cell.describe())
-      summary, files = serve_bench.run_bench(cell.config, cell.settings, bars=bars)
+      summary, files = serve_bench.run_bench(cell.config, bars=bars)
       row = dict(cell_id=cell.cell_id, cell=cell.values, metrics=flatten(summary),
                  summary=summary, premises=summary["premises"])
       if keep_runs:
@@ -347,12 +355,12 @@ def axes_from_flags(config: ml_collections.ConfigDict) -> list[Axis]:
 
 def main(argv: list[str]) -> None:
   del argv  # Unused.
-  settings, config = serve_bench.settings_from_flags(), serve_bench.config_from_flags()
+  config = serve_bench.config_from_flags()
   axes = axes_from_flags(config)
   if _SEEDS.value < 1:
     raise ValueError(f"--seeds must be >= 1, got {_SEEDS.value}")
-  seeds = [settings.seed + i for i in range(_SEEDS.value)]
-  cells = plan(config, settings, axes, seeds)
+  seeds = [config.bench.seed + i for i in range(_SEEDS.value)]
+  cells = plan(config, axes, seeds)
   x = _PLOT_X.value or (default_x(axes) if flags.FLAGS.plot else None)
   if flags.FLAGS.plot:
     from experiments import plots  # fails now, not after the runs, without matplotlib
@@ -360,7 +368,7 @@ def main(argv: list[str]) -> None:
       raise ValueError(f"--plot_x={x!r} is not a swept key ({[axis.key for axis in axes]})")
   with cli.workdir(flags.FLAGS.workdir) as directory:
     cli.enable_compilation_cache(flags.FLAGS.compilation_cache)
-    rows = run_sweep(config, settings, cells, directory, keep_runs=_KEEP_RUNS.value)
+    rows = run_sweep(config, cells, directory, keep_runs=_KEEP_RUNS.value)
     if flags.FLAGS.plot:
       plots.save(plots.sweep_curves(rows, x=x, metrics=DEFAULT_CURVES, title="kvpage sweep"),
                  directory / CURVES)

@@ -37,9 +37,10 @@ def test_the_admission_study_judges_goodput_by_the_setups_slo():
   # In a subprocess: both studies define a --scale flag, so one process imports one.
   code = ("from experiments import admission_study, sim_setups\n"
           "setup = sim_setups.SETUPS['yi_34b_a100_pcie_tp2']\n"
-          "config, settings = admission_study.base(admission_study.SCALES['smoke'], setup)\n"
-          "print(config.mesh.tensor_parallel, settings.hardware, settings.slo_tpot)")
+          "config = admission_study.base(admission_study.SCALES['smoke'], setup)\n"
+          "print(config.mesh.tensor_parallel, config.hardware == setup.get_config().hardware,"
+          " config.bench.slo_tpot)")
   result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
   assert result.returncode == 0, result.stderr
-  assert result.stdout.split() == ["2", "None", "0.15"]  # the config's own device
+  assert result.stdout.split() == ["2", "True", "0.15"]  # the config's own device

@@ -68,7 +68,7 @@ def test_a_sweep_resumes_skipping_done_cells(sweep_worker, tmp_path):
   assert len(table) == 6 and {"scheduler.watermark", "seed", "ttft_p99_s"} <= set(table[0])
   # Other base settings would mix two experiments in one table: refused.
   rc, stderr = sweep_worker.run([*wider, "--num_requests=30"])
-  assert rc == 2 and "holds a sweep of other base settings" in stderr
+  assert rc == 2 and "holds a sweep of another base config" in stderr
   assert "num_requests" in stderr
 
 
@@ -101,12 +101,18 @@ def test_bad_grids_are_one_line_before_any_run(sweep_worker, tmp_path, flags, me
   assert not (tmp_path / "sweep").exists()
 
 
-def test_bench_settings_mirror_the_flags():
-  # A sweep sets any flag through `BenchSettings`: the two must not drift apart.
+def test_bench_settings_mirror_the_flags_and_the_config():
+  # Each setting is a `bench` entry of the config, a flag that writes it and a
+  # `BenchSettings` field: the three must not drift apart.
   from absl import flags
 
+  from configs import tiny
+
+  section = tiny.get_config().bench
+  assert sorted(section.keys()) == sorted(serve_bench.SETTINGS)
   for field in dataclasses.fields(serve_bench.BenchSettings):
-    assert flags.FLAGS[field.name].default == field.default, field.name
+    assert flags.FLAGS[field.name].default == field.default == section[field.name], field.name
+  assert serve_bench.BenchSettings.from_config(tiny.get_config()) == serve_bench.BenchSettings()
 
 
 def test_the_summary_measures_kv_waste_of_the_run(tmp_path):

@@ -84,6 +84,21 @@ class ServerConfig:
   # What computes the model's ops (`kvpage.device.backends.describe`), for /v1/models.
   backends: dict[str, Any] | None = None
 
+  @classmethod
+  def from_config(cls, server: Any, *, model_name: str, max_model_len: int,
+                  eos_token_ids: tuple[int, ...] = (),
+                  backends: dict[str, Any] | None = None) -> "ServerConfig":
+    """The gateway's answers as a config's `server` section sets them (`configs.base`),
+    with what the served model says: its name, its longest sequence, its stop tokens
+    and its backends."""
+    return cls(model_name=server.get("served_model_name") or model_name,
+               max_model_len=max_model_len,
+               status_interval_s=server.status_interval_s,
+               max_queue_wait_s=server.get("max_queue_wait_s"),
+               kv_pressure_status=int(server.kv_pressure_status),
+               drain_timeout_s=server.drain_timeout_s, eos_token_ids=eos_token_ids,
+               backends=backends)
+
 
 def push_back_headers(retry_after_s: float | None, reason: str) -> dict[str, str]:
   """The headers of a 429/503: the hint in two units, capped, and which line said no."""
