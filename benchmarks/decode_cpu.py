@@ -282,8 +282,8 @@ def run_cell(config, params, hf_model, batch: int, prompt: int, output: int,
     scheduler_config = config.scheduler.copy_and_resolve_references()  # one per engine
     scheduler_config.num_decode_steps = decode_steps
     engine = build.jax_engine(llama, config.model, params, scheduler_config, num_pages=num_pages,
-                                page_size=config.cache.page_size,
-                                kv_dtype=config.cache.kv_dtype)
+                              page_size=config.cache.page_size,
+                              kv_dtype=config.cache.kv_dtype)
     kvpage[mode] = KvpageContender(engine, prompts, output)
   kvpage["prefill"] = KvpageContender(kvpage["default"].engine, prompts, 1, record=False)
   replicas = None

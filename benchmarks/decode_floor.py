@@ -45,7 +45,7 @@ def _engine(config, params, num_pages):
   scheduler_config = config.scheduler.copy_and_resolve_references()
   scheduler_config.num_decode_steps = 1  # the defaults a user gets
   return build.jax_engine(llama, config.model, params, scheduler_config, num_pages=num_pages,
-                            page_size=config.cache.page_size, kv_dtype=config.cache.kv_dtype)
+                          page_size=config.cache.page_size, kv_dtype=config.cache.kv_dtype)
 
 
 def run_cell(config, params, hf_models, batch: int, prompt: int, output: int,

@@ -329,7 +329,7 @@ def memory_against_device(interpret: bool) -> dict:
     return dict(note="no device memory statistics")
   config.cache.num_pages, config.cache.kv_memory_gib = 0, 0.0
   setup = cli.serving_engine(config, executor="jax",
-                               hardware=hardware_lib.get_hardware(config.hardware))
+                             hardware=hardware_lib.get_hardware(config.hardware))
   after = jax.devices()[0].memory_stats()
   plan = setup.memory_plan.to_dict() if setup.memory_plan else {}
   print(f"  memory plan: {setup.memory_plan.lines() if setup.memory_plan else 'none'}")

@@ -90,7 +90,7 @@ def real_case(config, tensor_parallel: int) -> dict:
                       -(-_PREFILL.value // page_size) + 4)
   params = llama.random_init(model, config.seed)
   engine = build.jax_engine(llama, model, params, config.scheduler, num_pages=num_pages,
-                              page_size=page_size, tensor_parallel=tensor_parallel)
+                            page_size=page_size, tensor_parallel=tensor_parallel)
   executor = engine.executor
   width = -(-max(_CONTEXT.value, _PREFILL.value) // page_size)
   batches = dict(decode=_decode_batch(_BATCH.value, _CONTEXT.value, page_size, width),

@@ -113,9 +113,9 @@ def main(argv: list[str]) -> None:
       sizing.max_model_len(model_config, num_pages=num_pages, page_size=page_size))
   scheduler_config.watermark = 0.0  # an offline batch: every prompt is meant to run
   engine = build.jax_engine(llama, model_config, params, scheduler_config, num_pages=num_pages,
-                              page_size=page_size, memory_hint=hint,
-                              tensor_parallel=config.mesh.tensor_parallel,
-                              prefix_caching=config.cache.prefix_caching)
+                            page_size=page_size, memory_hint=hint,
+                            tensor_parallel=config.mesh.tensor_parallel,
+                            prefix_caching=config.cache.prefix_caching)
   if build.follow(engine):  # a process other than 0 of a multi-process run
     return
   try:

@@ -28,7 +28,7 @@ def engine_for(params, async_scheduling: bool, num_pages: int = 64):
   config = tiny_config.get_config()
   config.scheduler.update(dict(async_scheduling=async_scheduling, watermark=0.0))
   return build.jax_engine(llama, config.model, params, config.scheduler, num_pages=num_pages,
-                            page_size=16)
+                          page_size=16)
 
 
 def test_stop_tokens_found_a_step_late_give_the_synchronous_tokens(params):

@@ -45,7 +45,7 @@ def test_preempted_run_matches_generate(reference_outputs, mode, async_schedulin
                                num_decode_steps=num_decode_steps))
   params = llama.random_init(config.model, config.seed)
   engine = build.jax_engine(llama, config.model, params, config.scheduler, num_pages=12,
-                              page_size=16, num_host_pages=32)
+                            page_size=16, num_host_pages=32)
   requests = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
   stats = engine.scheduler.stats()
   assert stats["preemptions"][mode] > 0, stats

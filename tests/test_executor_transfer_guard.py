@@ -41,7 +41,7 @@ def engine_for(params, overrides: dict, num_pages: int):
   config = tiny_config.get_config()
   config.scheduler.update(dict(watermark=0.0, **overrides))
   return build.jax_engine(llama, config.model, params, config.scheduler, num_pages=num_pages,
-                            page_size=16, num_host_pages=config.scheduler.num_host_pages)
+                          page_size=16, num_host_pages=config.scheduler.num_host_pages)
 
 
 def spy_on_guard(executor) -> list[str]:

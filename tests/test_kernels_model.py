@@ -39,7 +39,7 @@ def greedy_tokens(impl: str, chunk_size: int) -> list[list[int]]:
   scheduler_config.max_num_batched_tokens = max(scheduler_config.max_num_batched_tokens,
                                                 model.max_seq_len)
   engine = build.jax_engine(llama, model, llama.random_init(model, seed=0), scheduler_config,
-                              num_pages=32, page_size=4)
+                            num_pages=32, page_size=4)
   requests = engine.generate(PROMPTS, SamplingParams(max_tokens=NUM_NEW_TOKENS,
                                                      ignore_eos=True))
   return [request.output_ids for request in requests]

@@ -117,12 +117,12 @@ def test_the_engine_lets_the_interpreter_move_its_own_scalars():
   for impl, guard in (("mosaic", "log"), ("xla", "disallow")):
     model.attention_impl = impl
     engine = build.jax_engine(llama, model, params, scheduler_lib.get_scheduler_config(),
-                                num_pages=16, page_size=16)
+                              num_pages=16, page_size=16)
     assert engine.executor.guard == guard
   # The run that failed under "disallow": three prompts, one of 17 tokens (two pages).
   model.attention_impl = "mosaic"
   engine = build.jax_engine(llama, model, params, scheduler_lib.get_scheduler_config(),
-                              num_pages=16, page_size=16)
+                            num_pages=16, page_size=16)
   requests = engine.generate([list(range(1, 18)), [7, 3], [42]],
                              SamplingParams(max_tokens=6, ignore_eos=True))
   assert all(len(r.output_ids) == 6 for r in requests)

@@ -73,7 +73,7 @@ def test_greedy_generation_matches_transformers(checkpoint, chunk_size, impl):
   config, params = hf.load(directory)
   config.attention_impl = config.linear_impl = impl
   engine = build.jax_engine(llama, config, params, scheduler_config(chunk_size), num_pages=64,
-                              page_size=16)
+                            page_size=16)
   requests = engine.generate(PROMPTS, SamplingParams(max_tokens=32, ignore_eos=True))
   for prompt, request in zip(PROMPTS, requests):
     assert request.finish_reason == "length"
@@ -89,7 +89,7 @@ def test_long_prompts_at_high_precision_match_transformers(shape, tmp_path):
   config.attention_impl = config.linear_impl = "cpu"
   config.matmul_precision = "high"  # the CPU configs' choice
   engine = build.jax_engine(llama, config, params, scheduler_config(0), num_pages=64,
-                              page_size=16)
+                            page_size=16)
   requests = engine.generate(LONG_PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
   for prompt, request in zip(LONG_PROMPTS, requests):
     assert request.output_ids == hf_greedy(model, prompt, 16), f"prompt of {len(prompt)}"

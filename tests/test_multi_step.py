@@ -37,7 +37,7 @@ def engine_for(params, *, num_decode_steps: int, async_scheduling: bool = True,
   config.scheduler.update(dict(async_scheduling=async_scheduling, watermark=0.0,
                                num_decode_steps=num_decode_steps, **scheduler))
   engine = build.jax_engine(llama, config.model, params, config.scheduler, num_pages=num_pages,
-                              page_size=16)
+                            page_size=16)
   engine.launches = []  # (num_steps, [each sequence's iterations]) of every launch
   engine.on_step = lambda output, new_tokens, finished: engine.launches.append(
       (output.num_steps, [seq.num_steps for seq in output.scheduled]))

@@ -207,7 +207,7 @@ def test_greedy_tokens_do_not_change_with_prefix_caching(mode, async_scheduling,
   outputs, stats = {}, {}
   for caching in (False, True):
     engine = build.jax_engine(llama, config.model, params, config.scheduler, num_pages=14,
-                                page_size=8, num_host_pages=24, prefix_caching=caching)
+                              page_size=8, num_host_pages=24, prefix_caching=caching)
     requests = []
     for i in range(0, len(prompts), 2):  # two arrivals every third step
       for prompt in prompts[i:i + 2]:

@@ -28,10 +28,10 @@ def test_two_replicas_generate_the_tokens_one_engine_does():
   params = llama.random_init(config.model, seed=0)
   samplings = [SamplingParams(max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
   one = build.jax_engine(llama, config.model, params, config.scheduler, num_pages=64,
-                           page_size=16)
+                         page_size=16)
   expected = [r.output_ids for r in one.generate(PROMPTS, samplings)]
   replicas = build.jax_replicas(llama, config.model, params, config.scheduler, replicas=2,
-                                  num_pages=32, page_size=16)
+                                num_pages=32, page_size=16)
   requests = replicas.generate(PROMPTS, samplings)
   assert [r.output_ids for r in requests] == expected  # in the caller's order
   assert all(r.status == RequestStatus.FINISHED for r in requests)
@@ -92,4 +92,4 @@ def test_replicas_need_distinct_engines():
     Replicas([engine, engine])
   with pytest.raises(ValueError, match="replicas must be an integer >= 1"):
     build.jax_replicas(llama, tiny_config.get_config().model, {}, None, replicas=0,
-                         num_pages=8, page_size=16)
+                       num_pages=8, page_size=16)

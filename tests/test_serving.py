@@ -142,7 +142,7 @@ def tiny_engine(tiny_params, num_pages, **overrides):
   config = tiny_config.get_config()
   config.scheduler.update(overrides)
   return build.jax_engine(llama, config.model, tiny_params, config.scheduler, num_pages=num_pages,
-                            page_size=16, num_host_pages=config.scheduler.num_host_pages)
+                          page_size=16, num_host_pages=config.scheduler.num_host_pages)
 
 
 def test_real_tiny_model_under_overload_holds_the_line(tiny_params):

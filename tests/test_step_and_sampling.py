@@ -28,7 +28,7 @@ def params():
 
 def tiny_engine(params, **kwargs):
   return build.jax_engine(llama, MODEL, params, scheduler_lib.get_scheduler_config(),
-                            num_pages=128, page_size=16, **kwargs)
+                          num_pages=128, page_size=16, **kwargs)
 
 
 _BACKEND_COMPILES = []

@@ -57,8 +57,8 @@ def _engine(model, params, tensor_parallel, *, num_pages=64, **scheduler):
   config = tiny_config.get_config()
   config.scheduler.update(scheduler)
   return build.jax_engine(llama, model, params, config.scheduler, num_pages=num_pages, page_size=16,
-                            num_host_pages=config.scheduler.num_host_pages,
-                            tensor_parallel=tensor_parallel)
+                          num_host_pages=config.scheduler.num_host_pages,
+                          tensor_parallel=tensor_parallel)
 
 
 def _greedy(engine, prompts=PROMPTS, max_tokens=20):

@@ -34,7 +34,7 @@ def mixed_step_engine(chunk_size: int = 8, num_pages: int = 32, **model_fields) 
   scheduler_config = scheduler_lib.get_scheduler_config()
   scheduler_config.chunk_size = chunk_size
   return build.jax_engine(llama, model, llama.random_init(model, seed=3), scheduler_config,
-                            num_pages=num_pages, page_size=4)
+                          num_pages=num_pages, page_size=4)
 
 
 def greedy_tokens(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -212,30 +212,23 @@ def describe(model_config: ml_collections.ConfigDict, *, kv_dtype: Any = None,
   that did not load, or does not take these shapes, leaves its op on XLA), the native
   library's state and instruction-set variant, and the precision."""
   choices = RunChoices.of(model_config)
-  kv_dtype = paged_cache.jnp_dtype(kv_dtype or model_config.dtype)
-  group, head_dim = model_config.num_heads // model_config.num_kv_heads, model_config.head_dim
   device = jax.default_backend()
-  on_cpu = choices.attention_impl == "cpu" or choices.linear_impl == "cpu"
-  runs = on_cpu and cpu.runs_here()
   attention = {"xla": "xla", "reference": "reference (the oracle)",
                "pallas": "pallas (Triton)", "mosaic": "pallas (Mosaic GPU decode)"}.get(
-                   choices.attention_impl)
+                   choices.attention_impl, "")
   if choices.attention_impl in ("pallas", "mosaic") and device == "cpu":
     attention += ", interpreted"
   if choices.attention_impl == "cpu":
-    decode = "native" if runs and not cpu.decode_reads_longest(kv_dtype, group,
-                                                                head_dim) else "xla"
-    chunks = "native" if runs and cpu.cpu_attention.prefill_runs(kv_dtype, head_dim) else "xla"
-    attention = f"decode rows {decode}, prompt chunks {chunks}"
+    attention = cpu.describe_attention(
+        paged_cache.jnp_dtype(kv_dtype or model_config.dtype),
+        model_config.num_heads // model_config.num_kv_heads, model_config.head_dim)
   linear = "xla"
   if choices.linear_impl == "cpu":
-    linear = ("xla (tensor parallel)" if tensor_parallel > 1 else
-              cpu.cpu_linear.describe(paged_cache.jnp_dtype(model_config.dtype),
-                                      choices.precision) if runs
-              else "xla")
+    linear = cpu.describe_products(paged_cache.jnp_dtype(model_config.dtype),
+                                   choices.precision, tensor_parallel)
   record = dict(attention_impl=choices.attention_impl, linear_impl=choices.linear_impl,
                 matmul_precision=choices.matmul_precision, attention=attention,
                 linear=linear, device=device)
-  if on_cpu:
+  if "cpu" in (choices.attention_impl, choices.linear_impl):
     record["native"] = native.describe()
   return record

@@ -93,6 +93,21 @@ def swiglu_fused(tensor_parallel: int) -> bool:
   return tensor_parallel == 1 and runs_here()
 
 
+def describe_attention(kv_dtype: Any, group: int, head_dim: int) -> str:
+  """Which attention rows the kernels compute here, for the run records."""
+  runs = runs_here()
+  decode = "native" if runs and cpu_attention.runs(kv_dtype, group, head_dim) else "xla"
+  chunks = "native" if runs and cpu_attention.prefill_runs(kv_dtype, head_dim) else "xla"
+  return f"decode rows {decode}, prompt chunks {chunks}"
+
+
+def describe_products(dtype: Any, precision: Any, tensor_parallel: int) -> str:
+  """Which products the kernels compute here (`products`), for the run records."""
+  if tensor_parallel > 1:
+    return "xla (tensor parallel)"
+  return cpu_linear.describe(dtype, precision) if runs_here() else "xla"
+
+
 def traits(*, attention: bool, linear: bool, kv_dtype: Any, group: int, head_dim: int,
            tensor_parallel: int) -> CostTraits:
   """Cost traits where this backend computes the attention (`attention`) and/or the
