@@ -57,8 +57,6 @@ class Linear(xla.Linear):
   projections of one input in one call, SwiGLU's two products with their activation,
   and on AMX the RMSNorm and the residual add as well; XLA's elsewhere."""
 
-  swiglu_fused = True
-
   def project(self, x: jax.Array, weights: Any, *,
               norm: tuple[jax.Array, float] | None = None,
               residual: jax.Array | None = None) -> list[jax.Array]:

@@ -59,8 +59,6 @@ class Linear:
   partitioner splits them over the devices (Megatron's split, `kvpage.device.sharding`)
   and all-reduces a row-parallel result before its residual is added."""
 
-  swiglu_fused = False  # gate and up are two products, written out before silu(gate) * up
-
   def __init__(self, precision: Any, tensor_parallel: TensorParallel | None = None):
     self.precision = precision
     self.tensor_parallel = tensor_parallel
