@@ -322,26 +322,33 @@ def page_count_for_checkpoint(config: Any, checkpoint: str | None, num_pages_fla
     config.cache.num_pages = 0
 
 
+def load_checkpoint(config: Any, checkpoint: str) -> Any:
+  """A Hugging Face Llama checkpoint's weights (returned) and model section, which
+  replaces the config's but keeps its run choices (how attention and the products run
+  is the config's choice, its hardware's, not the checkpoint's); the cache takes the
+  checkpoint's precision."""
+  from kvpage import sizing
+  from kvpage.device import backends
+  from models import hf
+
+  model_config, params = hf.load(checkpoint)
+  sizing.check_runnable(config, model_config)
+  backends.RunChoices.of(config.model).write(model_config)
+  config.model = model_config
+  config.cache.kv_dtype = model_config.dtype
+  return params
+
+
 def serving_engine(config: Any, *, executor: str, hardware: Any, checkpoint: str | None = None,
                    **options: Any) -> Any:
   """`kvpage.build.serving_engine` for the experiments: the Llama model, its weights from
-  `checkpoint` when given (its model section replaces the config's, which keeps its run
-  choices and takes the checkpoint's precision for the cache), and the calibration files
-  shipped in `configs/calibrations/`."""
+  `checkpoint` when given (`load_checkpoint`), and the calibration files shipped in
+  `configs/calibrations/`."""
   from configs import hardware as hardware_lib
-  from kvpage import build, sizing
-  from kvpage.device import backends
-  from models import hf, llama
+  from kvpage import build
+  from models import llama
 
-  params = None
-  if checkpoint:
-    model_config, params = hf.load(checkpoint)
-    sizing.check_runnable(config, model_config)
-    # How attention and the products run is the config's choice (its hardware's), not
-    # the checkpoint's.
-    backends.RunChoices.of(config.model).write(model_config)
-    config.model = model_config
-    config.cache.kv_dtype = model_config.dtype  # the checkpoint's precision, not the config's
+  params = load_checkpoint(config, checkpoint) if checkpoint else None
   return build.serving_engine(config, executor=executor, hardware=hardware, model=llama,
                               params=params, calibrations=hardware_lib.CALIBRATIONS, **options)
 

@@ -24,10 +24,9 @@ from absl import flags
 from configs import base as configs_check
 from experiments import cli
 from kvpage import build, sizing, units
-from kvpage.device import backends
 from kvpage.host.engine import Engine
 from kvpage.request import Request, SamplingParams
-from models import hf, llama
+from models import llama
 
 _CONFIG = cli.define_config("configs/tiny.py",
                             "Config for random weights (ignored with --checkpoint).")
@@ -85,15 +84,12 @@ def main(argv: list[str]) -> None:
   check_flags()
   cli.initialize_processes(_PROCESSES)
   config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
+  if _ATTENTION.value:  # a shortcut for --config.model.attention_impl
+    config.model.attention_impl = _ATTENTION.value
   configs_check.check(config)
-  if _CHECKPOINT.value:
-    model_config, params = hf.load(_CHECKPOINT.value)
-    backends.RunChoices.of(config.model).write(model_config)  # the config's choices
-  else:
-    model_config = config.model
-  sizing.check_runnable(config, model_config)
-  if _ATTENTION.value:
-    model_config.attention_impl = _ATTENTION.value
+  params = cli.load_checkpoint(config, _CHECKPOINT.value) if _CHECKPOINT.value else None
+  model_config = config.model
+  sizing.check_runnable(config)
   prompts = parse_prompts(_PROMPT_IDS.value, model_config.vocab_size)
   page_size = _PAGE_SIZE.value
   # Pages for each prompt's whole run; one longer than the context would be rejected

@@ -166,10 +166,6 @@ class Cell:
   config: ml_collections.ConfigDict  # the whole run: `serve_bench.run_bench(config)`
 
   @property
-  def settings(self) -> serve_bench.BenchSettings:
-    return serve_bench.BenchSettings.from_config(self.config)
-
-  @property
   def cell_id(self) -> str:
     return cell_id(self.values)
 

@@ -47,6 +47,11 @@ class SimExecutor(Executor):
     self.buckets = buckets  # None: steps are priced unpadded
     self.costs: list[StepCost] = []
     self._device_free_at = clock()  # when the last submitted step ends
+    # As the engine the rates were fit on: its decode rows read to the longest when its
+    # steps are priced padded. Fixed with the model and the buckets: made once, not per
+    # priced step.
+    self._traits = CostTraits(decode_reads_longest=buckets is not None
+                              and model.rates.decode_reads_longest)
 
   @property
   def num_compiles(self) -> int:
@@ -54,10 +59,7 @@ class SimExecutor(Executor):
 
   @property
   def traits(self) -> CostTraits:
-    """As the engine the rates were fit on: its decode rows read to the longest when
-    its steps are priced padded."""
-    return CostTraits(decode_reads_longest=self.buckets is not None
-                      and self.model.rates.decode_reads_longest)
+    return self._traits
 
   def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
     """The shape the step is priced at: padded to `buckets` when given."""
