@@ -8,7 +8,8 @@ A config has three sections:
   * `mesh`: how many devices one step runs on (`tensor_parallel`; the simulator and the
     capacity model split weights and KV heads over them);
   * `sim`: the simulator's step rates (`calibration`: a calibration file; "" = the
-    hardware entry's own, calibrated or template).
+    hardware entry's own, calibrated or template; `noise`: draw each step's time from
+    the calibration's residuals, seeded by `seed`).
 Later sections (scheduler, engine) are added by the modules that own them.
 """
 
@@ -67,7 +68,7 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
                                                 prefix_caching=True))
   config.hardware = hardware
   config.mesh = ml_collections.ConfigDict(dict(tensor_parallel=tensor_parallel))
-  config.sim = ml_collections.ConfigDict(dict(calibration=""))
+  config.sim = ml_collections.ConfigDict(dict(calibration="", noise=False))
   config.seed = 0
   config.scheduler = scheduler.get_scheduler_config()
   # A serve_bench run (`experiments.serve_bench.BenchSettings`, whose flags of the same

@@ -8,7 +8,12 @@ fp16/bf16 tensor-core peak in FLOP/s. Efficiency factors (the fraction of peak a
 well-tuned kernel reaches) give the simulated executor its template step rates; they
 are templates, to be re-decided from measurements, not truths. An entry that names a
 `calibration` (a file in `configs/calibrations/`, fitted by `experiments/calibrate.py`
-on published or local step times) is priced by that file's rates instead.
+on published or local step times) is priced by that file's rates instead, carried to
+the entry by the ratios of the datasheets when the file was measured on another
+device (`kvpage.sim.step_model.StepRates.carried_to`): `h100_80gb` and `h200_141gb`
+are priced by the A100 PCIe calibration (per-operator A100 rates and Sarathi-Serve's
+Yi-34B steps) so carried. `network` names the all-reduce profile of the entry's
+interconnect (`kvpage.sim.operators`).
 """
 
 import pathlib
@@ -52,6 +57,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             "312 TFLOPS dense FP16/BF16, NVLink bridge for 2 GPUs at 600 GB/s); "
             "nvidia-smi total 81,920 MiB",
             calibration="a100_80gb_pcie.json",
+            network="nvlink_pairs",
         ),
         HardwareSpec(
             name="h100_80gb",
@@ -61,6 +67,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             peak_flops=989.4e12,
             source="NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB: 3.35 TB/s HBM3, "
             "1,979 TFLOPS FP16/BF16 with sparsity = 989.4 dense); nvidia-smi total 81,559 MiB",
+            calibration="a100_80gb_pcie.json",
             host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s peak
             interconnect_bandwidth=450e9,  # NVLink 4: 900 GB/s total
         ),
@@ -72,6 +79,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             peak_flops=989.4e12,
             source="NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB: 4.8 TB/s HBM3e, "
             "1,979 TFLOPS FP16/BF16 with sparsity = 989.4 dense); nvidia-smi total 143,771 MiB",
+            calibration="a100_80gb_pcie.json",
             host_link_bandwidth=50e9,  # PCIe Gen5 x16: 64 GB/s peak
             interconnect_bandwidth=450e9,  # NVLink 4: 900 GB/s total
         ),
@@ -90,6 +98,7 @@ HARDWARE: dict[str, HardwareSpec] = {
             step_overhead_s=2e-4,
             interconnect_bandwidth=20e9,  # devices forced on one host: a memcpy
             interconnect_latency_s=5e-5,
+            network="host",
         ),
     )
 }

@@ -1,12 +1,28 @@
 """Model dimensions: one table, each entry citing where its numbers come from.
 
-Config files (`llama_13b.py`, `llama3_8b.py`, `small.py`, `tiny.py`, and the published
-setups' `mistral_7b.py`, `yi_34b.py`, `opt_13b.py`, `llama2_70b.py`, `llama3_70b.py`)
-read from here; so do tests. `positions="learned"` with `ffn_matrices=2` (OPT) is a shape
-for the capacity model and the simulator only: the JAX model is Llama's.
+Config files (`llama2_7b.py`, `llama_13b.py`, `llama3_8b.py`, `small.py`, `tiny.py`, and
+the published setups' `mistral_7b.py`, `yi_34b.py`, `opt_13b.py`, `llama2_70b.py`,
+`llama3_70b.py`) read from here; so do tests. `positions="learned"` with
+`ffn_matrices=2` (OPT) is a shape for the capacity model and the simulator only: the JAX
+model is Llama's.
 """
 
 MODEL_TABLE: dict[str, dict] = {
+    "llama2_7b": dict(
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=32,
+        head_dim=128,
+        d_model=4096,
+        ffn_dim=11008,
+        vocab_size=32000,
+        tie_embeddings=False,
+        rope_theta=10000.0,
+        norm_eps=1e-5,
+        max_seq_len=4096,
+        source="Touvron et al. 2023, 'Llama 2' (Table 1/A.2) and the released config.json: "
+        "32 layers, 32 heads, d_model 4096, FFN 11008, vocab 32000, context 4096",
+    ),
     "llama2_13b": dict(
         num_layers=40,
         num_heads=40,

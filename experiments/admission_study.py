@@ -94,7 +94,7 @@ def cells(scale: Scale, rate: float,
 
 FIGURES = ("rejected_400", "rejected_429", "rejected_503", "num_preemptions",
            "recomputed_tokens", "goodput_requests_per_s", "goodput_fraction", "ttft_p99_s",
-           "tpot_p99_s", "max_kv_usage", "num_finished")
+           "tpot_p99_s", "max_kv_usage", "num_finished", "running_batch_mean")
 
 
 def analyze(rows: Sequence[dict], rate: float) -> dict[str, Any]:
@@ -108,7 +108,8 @@ def analyze(rows: Sequence[dict], rate: float) -> dict[str, Any]:
   means = {}
   for (load, estimate, watermark), group in table.items():
     means.setdefault(load, {}).setdefault(estimate, {})[str(watermark)] = {
-        metric: float(np.mean([r["metrics"][metric] or 0.0 for r in group]))
+        # .get: rows resumed from before a figure was recorded lack it (read as 0).
+        metric: float(np.mean([r["metrics"].get(metric) or 0.0 for r in group]))
         for metric in FIGURES}
   return means
 
@@ -209,7 +210,8 @@ def format_report(record: dict[str, Any]) -> str:
     for estimate, by_watermark in by_estimate.items():
       lines.append(f"  {load:>4} {estimate:<13} " + "  ".join(
           f"w{m}: 503 {f['rejected_503']:.0f} pre {f['num_preemptions']:.0f} "
-          f"good {f['goodput_requests_per_s']:.2f}" for m, f in by_watermark.items()))
+          f"good {f['goodput_requests_per_s']:.2f} batch {f['running_batch_mean']:.1f}"
+          for m, f in by_watermark.items()))
   for claim in record["claims"]:
     lines.append(f"  [{'holds' if claim['holds'] else 'FAILS'}] {claim['claim']}: "
                  f"{claim['evidence']}")

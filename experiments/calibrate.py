@@ -1,13 +1,15 @@
 r"""Fit the simulator's step rates to measured step times; write a calibration file.
 
-From a published per-batch profile (CSV, the Sarathi-Serve artifact's columns), fit on
-the small steps and judged on the large ones:
+From a published per-batch profile (CSV, the Sarathi-Serve artifact's columns), with
+the non-attention work priced by per-operator rates (`experiments.fit_operators`), fit
+on the small steps and judged on the large ones:
 
   python -m experiments.calibrate --config=configs/yi_34b.py \
+      --operators=configs/calibrations/a100_80gb_operators.json \
       --profile=configs/calibrations/sarathi-serve/yi34b_tp2_a100_80gb_pcie_decode.csv \
       --profile=configs/calibrations/sarathi-serve/yi34b_tp2_a100_80gb_pcie_prefill.csv \
       --profile_context=1020 --train_max_decode_batch=32 --train_max_prefill_tokens=4096 \
-      --out=configs/calibrations/a100_80gb_pcie.json
+      --loss=absolute --out=configs/calibrations/a100_80gb_pcie.json
 
 From a kvpage run on this machine (`serve_bench`'s `steps.jsonl`), judged on another:
 
@@ -20,6 +22,7 @@ premises and every point (measured against predicted, training and held-out) pri
 a table and go into the file; `kvpage.sim.calibration` says how the fit works.
 """
 
+import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
@@ -30,7 +33,7 @@ from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import cli
 from kvpage import build
-from kvpage.sim import calibration, step_model
+from kvpage.sim import calibration, operators, step_model
 from kvpage.sim.step_model import StepModel, StepRates
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file (the model that ran).")
@@ -56,6 +59,10 @@ _WEIGHTING = flags.DEFINE_enum("weighting", "absolute", list(calibration.WEIGHTI
 _LOSS = flags.DEFINE_enum("loss", "squares", list(calibration.LOSSES),
                           "Least squares (a mean fit) or least absolute deviations (a median "
                           "fit, robust to the long tail of a shared CPU's step times).")
+_OPERATORS = flags.DEFINE_string(
+    "operators", None, "Operator calibration (experiments.fit_operators): it prices the "
+    "non-attention work and the all-reduces, carried to --hardware by the datasheets; the "
+    "steps then fit only launch, per-sequence and attention costs.")
 _KNEE = flags.DEFINE_integer("knee_tokens", None, "Tokens where small steps end; default: the "
                              "hardware's ridge point, rounded down to a power of two.")
 _OUT = flags.DEFINE_string("out", None, "Write the calibration file here.")
@@ -134,7 +141,11 @@ def main(argv: list[str]) -> None:
     raise ValueError("give measured steps: --profile=CSV or --steps=steps.jsonl")
   if _KNEE.value is not None and _KNEE.value < 1:
     raise ValueError(f"--knee_tokens must be >= 1, got {_KNEE.value}")
-  model = build.step_model(config, StepRates.template(hardware), hardware)
+  start = StepRates.template(hardware)
+  if _OPERATORS.value:
+    start = dataclasses.replace(start, regimes=None, operators=operators.load(
+        _OPERATORS.value).carried_to(hardware))
+  model = build.step_model(config, start, hardware)
   train, held = [], []
   for path in _PROFILE.value:
     fit_part, held_part = calibration.split_held_out(
@@ -155,7 +166,8 @@ def main(argv: list[str]) -> None:
   rows = calibration.points(train, priced, "train") + calibration.points(held, priced, "held-out")
   premises = dict(model=config.model.name, dtype=config.model.dtype,
                   tensor_parallel=config.mesh.tensor_parallel, hardware=hardware.name,
-                  profiles=_PROFILE.value, profile_context=_PROFILE_CONTEXT.value,
+                  operators=_OPERATORS.value, profiles=_PROFILE.value,
+                  profile_context=_PROFILE_CONTEXT.value,
                   train_max_decode_batch=_TRAIN_DECODE.value,
                   train_max_prefill_tokens=_TRAIN_PREFILL.value, steps=_STEPS.value,
                   test_steps=_TEST_STEPS.value, skipped_steps=skipped + test_skipped,

@@ -149,7 +149,8 @@ def by_policy(rows: Sequence[dict]) -> dict[str, dict[float, list[dict]]]:
 
 
 def _mean(rows: Sequence[dict], metric: str) -> float | None:
-  values = [row["metrics"][metric] for row in rows if row["metrics"][metric] is not None]
+  # .get: rows resumed from before a figure was recorded lack it.
+  values = [row["metrics"][metric] for row in rows if row["metrics"].get(metric) is not None]
   return float(np.mean(values)) if values else None
 
 
@@ -168,7 +169,8 @@ def capacity(by_rate: dict[float, list[dict]], metric: str, slo_s: float) -> flo
 def analyze(rows: Sequence[dict], tpot_slo_s: float, itl_slo_s: float) -> dict[str, Any]:
   """Per policy: the mean figures at every rate, and the capacities under the SLOs."""
   figures = ("output_tokens_per_s", "queue_wait_p99_s", "ttft_p50_s", "ttft_p99_s",
-             "tpot_p99_s", "itl_p99_s", "max_stall_s", "num_rejected", "num_preemptions")
+             "tpot_p99_s", "itl_p99_s", "max_stall_s", "num_rejected", "num_preemptions",
+             "running_batch_mean")
   result = {}
   for policy, by_rate in by_policy(rows).items():
     result[policy] = dict(
@@ -316,6 +318,12 @@ def curves(rows: Sequence[dict], title: str):
       "max_stall_s", "queue_wait_p99_s", "num_rejected", "num_preemptions"))
 
 
+def _batch(figures: dict[str, Any]) -> str:
+  """The mean running batch (sequences per step, weighted by time), n/a if unrecorded."""
+  mean = figures.get("running_batch_mean")
+  return "n/a" if mean is None else f"{mean:,.1f}"
+
+
 def format_report(record: dict[str, Any]) -> str:
   lines = []
   for part in ("sim", "tiny"):
@@ -330,7 +338,8 @@ def format_report(record: dict[str, Any]) -> str:
       lines.append(
           f"  {policy:<26} {figures['capacity_tpot_p99']!s:>6} / "
           f"{figures['capacity_itl_p99']!s:<6} at {top} req/s: "
-          f"{at['output_tokens_per_s']:,.0f} tok/s, TTFT p50 {1e3 * at['ttft_p50_s']:,.0f} ms, "
+          f"{at['output_tokens_per_s']:,.0f} tok/s, batch {_batch(at)}, "
+          f"TTFT p50 {1e3 * at['ttft_p50_s']:,.0f} ms, "
           f"TPOT p99 {1e3 * at['tpot_p99_s']:.1f} ms, stall {1e3 * at['max_stall_s']:,.0f} ms")
     for budget, stated in record[part]["claims"].items():
       for claim in stated:

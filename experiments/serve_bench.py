@@ -49,6 +49,9 @@ flags.DEFINE_string("hardware", None, "Shortcut for --config.hardware: the simul
 _CALIBRATION = flags.DEFINE_string(
     "calibration", None, "Shortcut for --config.sim.calibration: a calibration file "
     "(experiments/calibrate.py) whose rates price simulated steps.")
+_SIM_NOISE = flags.DEFINE_bool(
+    "sim_noise", None, "Shortcut for --config.sim.noise: each simulated step's time times a "
+    "ratio drawn from its calibration's residuals (seeded by --config.seed).")
 _TENSOR_PARALLEL = cli.define_tensor_parallel()
 _PROCESSES = cli.define_processes()
 flags.DEFINE_integer("num_requests", 96, "Requests in the workload.")
@@ -186,6 +189,8 @@ def config_from_flags() -> ml_collections.ConfigDict:
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
   if _CALIBRATION.value is not None:
     config.sim.calibration = _CALIBRATION.value
+  if _SIM_NOISE.value is not None:
+    config.sim.noise = _SIM_NOISE.value
   given = {name: flags.FLAGS[name].value for name in (*SETTINGS, *CONFIG_SHORTCUTS)
            if flags.FLAGS[name].present}
   check_shortcuts(given)
@@ -346,7 +351,7 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
   # The clock of record starts here, after set-up and warm-up.
   recorder = metrics.MetricsRecorder(setup.engine.scheduler, setup.engine.clock,
                                      step_shape=setup.engine.executor.step_shape,
-                                     traits=executor.traits)
+                                     traits=executor.traits, step_parts=executor.step_parts)
   setup.engine.on_step = recorder.on_step
   scheduler = setup.engine.scheduler
   with contextlib.ExitStack() as stack:
@@ -388,6 +393,14 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
 
 def _ms(value: float | None) -> str:
   return "n/a" if value is None or math.isnan(value) else f"{1e3 * value:,.1f} ms"
+
+
+def _batch_line(batch: dict) -> str:
+  """The time-weighted sequences per batch (`metrics.running_batch`), n/a if unmeasured."""
+  if batch.get("mean") is None:
+    return "n/a"
+  return (f"mean {batch['mean']:,.1f} sequences (p50 {batch['p50']:,.0f}, "
+          f"p99 {batch['p99']:,.0f}), weighted by time")
 
 
 def _prefix_line(cache: dict) -> str:
@@ -440,6 +453,7 @@ def format_summary(summary: dict) -> str:
       f"{_ms(summary['tpot_s']['p99'])}",
       f"  throughput               {summary['prompt_tokens_per_s']:,.0f} prompt tok/s, "
       f"{summary['output_tokens_per_s']:,.0f} generated tok/s over {summary['duration_s']:.2f} s",
+      f"  running batch            {_batch_line(summary.get('running_batch') or {})}",
       f"  goodput                  {summary['goodput_requests_per_s']:.2f} req/s "
       f"({summary['goodput_fraction']:.0%} of requests; SLO {summary['slo']})",
       f"  prefill computed         {summary['prefill_tokens_computed']:,} tokens"

@@ -81,6 +81,10 @@ METRICS: dict[str, Callable[[dict], Any]] = {
     "recomputed_tokens": lambda s: s["recomputed_tokens"],
     "prefix_hit_rate": lambda s: s.get("prefix_cache", {}).get("hit_rate"),
     "duration_s": lambda s: s["duration_s"],
+    # The time-weighted sequences per batch (vLLM's comparison); absent in older summaries.
+    "running_batch_mean": lambda s: (s.get("running_batch") or {}).get("mean"),
+    "running_batch_p50": lambda s: (s.get("running_batch") or {}).get("p50"),
+    "running_batch_p99": lambda s: (s.get("running_batch") or {}).get("p99"),
     "paged_kv_waste": lambda s: (s.get("kv_waste") or {}).get("paged_waste"),
     "contiguous_kv_waste": lambda s: (s.get("kv_waste") or {}).get("contiguous_waste"),
 }
@@ -378,14 +382,19 @@ def _figure(value: Any, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
+  """The printed table: swept values, then throughput, the mean running batch (`batch`,
+  sequences per step weighted by time; n/a for rows run before it was recorded),
+  latencies, rejections and preemptions."""
   keys = list(dict.fromkeys(key for row in rows for key in row["cell"]))
   names = [key.split(".")[-1] for key in keys]
-  header = [*names, "tok/s", "TTFT p99 ms", "TPOT p99 ms", "stall ms", "rejected", "preempt"]
+  header = [*names, "tok/s", "batch", "TTFT p99 ms", "TPOT p99 ms", "stall ms", "rejected",
+            "preempt"]
   lines = ["  ".join(f"{name:>11}" for name in header)]
   for row in rows:
     m = row["metrics"]
     cells = [str(row["cell"][key]) for key in keys] + [
-        _figure(m["output_tokens_per_s"], digits=0), _figure(m["ttft_p99_s"], 1e3),
+        _figure(m["output_tokens_per_s"], digits=0), _figure(m.get("running_batch_mean")),
+        _figure(m["ttft_p99_s"], 1e3),
         _figure(m["tpot_p99_s"], 1e3), _figure(m["max_stall_s"], 1e3),
         str(m["num_rejected"]), str(m["num_preemptions"])]
     lines.append("  ".join(f"{cell:>11}" for cell in cells))

@@ -38,7 +38,7 @@ from kvpage.memory_plan import MemoryPlan
 from kvpage.sim import calibration
 from kvpage.sim.executor import SimExecutor
 from kvpage.sim.hardware import HardwareSpec
-from kvpage.sim.step_model import StepModel, StepRates
+from kvpage.sim.step_model import StepModel, StepNoise, StepRates
 from kvpage.sizing import (
     MAX_PAGES,
     check_memory,
@@ -152,8 +152,10 @@ def step_rates(hardware: HardwareSpec, calibration_file: str = "",
                calibrations: pathlib.Path | None = None) -> tuple[StepRates, str]:
   """The simulator's step rates and where they come from: `calibration_file` when given,
   else the file the hardware entry names (in the folder `calibrations`, which ships
-  them: `configs/calibrations/`), else its template. Raises `ValueError` where the entry
-  names a file and no folder is given: its template would silently price differently."""
+  them: `configs/calibrations/`), else its template; a file measured on another device
+  is carried to this one by the datasheets (`StepRates.carried_to`). Raises
+  `ValueError` where the entry names a file and no folder is given: its template would
+  silently price differently."""
   if not calibration_file and hardware.calibration and calibrations is None:
     raise ValueError(f"hardware {hardware.name} is priced by its calibration "
                      f"{hardware.calibration}: pass the folder that holds it (calibrations=)")
@@ -165,9 +167,12 @@ def step_rates(hardware: HardwareSpec, calibration_file: str = "",
   fitted = record.get("premises", {})
   if not calibration_file and calibrations:  # shipped: named as in the repository
     path = f"{calibrations.parent.name}/{calibrations.name}/{hardware.calibration}"
-  return (StepRates.from_dict(record["rates"]),
-          f"calibration {path} (fit on {fitted.get('model', '?')}, tensor parallel "
-          f"{fitted.get('tensor_parallel', '?')}, {fitted.get('hardware', '?')})")
+  rates = StepRates.from_dict(record["rates"])
+  carried = rates.carried_to(hardware)
+  return (carried, f"calibration {path} (fit on {fitted.get('model', '?')}, tensor parallel "
+          f"{fitted.get('tensor_parallel', '?')}, {fitted.get('hardware', '?')}"
+          + (f"; carried to {hardware.name} by the datasheets)" if carried is not rates
+             else ")"))
 
 
 def step_model(config: ml_collections.ConfigDict, rates: StepRates,
@@ -185,11 +190,14 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
                kv_dtype: str | None = None, num_host_pages: int = 0,
                paced: bool = False, tensor_parallel: int = 1,
                rates: StepRates | None = None, prefix_caching: bool = False,
-               calibrations: pathlib.Path | None = None) -> Engine:
+               calibrations: pathlib.Path | None = None,
+               noise_seed: int | None = None) -> Engine:
   """An engine over a simulated GPU group: the same scheduler, a `StepModel` executor,
   virtual time (`paced`: wall time, each step slept through, to serve live clients).
   `rates`: default the hardware's own (`step_rates`, from `calibrations`); rates fit on
-  padded steps price each step at the shape a kvpage server pads it to."""
+  padded steps price each step at the shape a kvpage server pads it to. `noise_seed`:
+  each step's seconds times a ratio drawn from the rates' residuals (`StepNoise`); None:
+  none."""
   clock = PacedClock() if paced else VirtualClock()
   rates = rates or step_rates(hardware, calibrations=calibrations)[0]
   model = StepModel(model_shape.ModelShape.from_config(model_config),
@@ -205,7 +213,8 @@ def sim_engine(model_config: ml_collections.ConfigDict, hardware: HardwareSpec,
       max_num_seqs=scheduler_config.max_num_seqs) if rates.padded_work else None
   # The simulated device overlaps with the host as a real one does (`SimExecutor`), so
   # async scheduling delays a new request by the same step it costs on a real run.
-  return Engine(scheduler, SimExecutor(model, clock, buckets),
+  noise = None if noise_seed is None else StepNoise(rates.noise_quantiles, noise_seed)
+  return Engine(scheduler, SimExecutor(model, clock, buckets, noise),
                 async_scheduling=scheduler_config.async_scheduling)
 
 
@@ -251,9 +260,11 @@ def serving_engine(config: ml_collections.ConfigDict, *, executor: str, hardware
                         page_size=page_size, kv_dtype=config.cache.kv_dtype,
                         num_host_pages=host_pages, paced=paced,
                         tensor_parallel=tensor_parallel, rates=rates,
-                        prefix_caching=config.cache.get("prefix_caching", False))
+                        prefix_caching=config.cache.get("prefix_caching", False),
+                        noise_seed=config.seed if config.sim.get("noise") else None)
     record = dict(dataclasses.asdict(hardware), tensor_parallel=tensor_parallel,
-                  step_rates=rates.to_dict(), step_rates_source=rates_source)
+                  step_rates=rates.to_dict(), step_rates_source=rates_source,
+                  step_noise=bool(config.sim.get("noise")))
     return ServingSetup(engine, config, num_pages, record, reason, plan)
   if model is None:
     raise ValueError("a real run (executor='jax') needs the model's functions (model=)")

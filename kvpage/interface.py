@@ -189,6 +189,12 @@ class Executor(abc.ABC):
     on. This default computes the batch as scheduled, unpadded."""
     return output.num_batched_tokens, len(output.scheduled)
 
+  def step_parts(self, step: int) -> dict[str, float] | None:
+    """The priced parts of step `step`, in seconds, for executors that price their steps
+    (the simulator's); None here: a real device's step is measured, not priced."""
+    del step  # Unused.
+    return None
+
   @property
   def traits(self) -> CostTraits:
     """What its steps' cost depends on beyond their shape (`CostTraits`). This default:

@@ -6,7 +6,8 @@ scheduled), time to first token (TTFT), time per output token after the first
 (TPOT), inter-token latencies and end-to-end latency. Per step: running, waiting and
 swapped requests, KV usage, prompt and generated tokens batched, preemptions by mode
 and rejections by status. The summary gives p50/p90/p99, prompt and generated
-tokens/s, and goodput under an optional TTFT/TPOT SLO (DistServe, OSDI'24).
+tokens/s, the time-weighted running batch size (vLLM, SOSP'23) and goodput under an
+optional TTFT/TPOT SLO (DistServe, OSDI'24).
 
 `MetricsRecorder.on_step` plugs into `Engine(on_step=...)`; it reads the scheduler's
 counters and the clock, never the device. Written as JSONL time series plus one
@@ -50,6 +51,62 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
   p50, p90, p99 = np.percentile(array, [50, 90, 99])
   return dict(p50=float(p50), p90=float(p90), p99=float(p99), mean=float(array.mean()),
               max=float(array.max()))
+
+
+def running_batch(steps: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+  """The running batch size over a run: the time-weighted mean, p50 and p99 of the number
+  of sequences in the batch, the figure the vLLM paper (SOSP'23, Fig. 13) compares
+  systems by. None each for a run without steps or without time between them (as
+  `percentiles` has for an empty list).
+
+  The count is a step row's `num_seqs`: the sequences batched in the step that ran until
+  the row's `time` (the step's `len(scheduled)`: decodes and prefill chunks alike). Not
+  `num_running`, the scheduler's `len(running)`: a gauge read when the step's samples
+  are applied, so it has already dropped the sequences that finished in that step and,
+  under async scheduling, describes the running queue after the next step was
+  scheduled; and it counts running requests the step did not compute (decodes stalled
+  behind a prefill-first step, sequences past the token budget).
+
+  The step function holds each row's count from the previous row's `time` (the run's
+  start, 0, for the first) to its own, so each count weighs the time its step lasted.
+  One exception: when the server sat idle before a step (the previous row left nothing
+  running, waiting or swapped, or the run had just started) and the row has its step's
+  seconds (`step_s`), the gap before the step was launched counts as an empty batch,
+  not as the step's, so that a lightly loaded run is not credited its batches for its
+  idle time. The span ends at the last row (what follows it is the drained server).
+  Percentiles are of that step function over time: p50 is the smallest count the batch
+  was at or below for at least half the time.
+  """
+  counts: list[float] = []
+  weights: list[float] = []
+  previous, idle = 0.0, True
+  for row in steps:
+    interval = max(0.0, row["time"] - previous)
+    if idle and row.get("step_s") is not None:
+      busy = min(interval, max(0.0, row["step_s"]))
+      counts.append(0.0)
+      weights.append(interval - busy)
+      interval = busy
+    counts.append(float(row["num_seqs"]))
+    weights.append(interval)
+    previous = row["time"]
+    idle = all(row.get(key, 1) == 0 for key in ("num_running", "num_waiting", "num_swapped"))
+  values, time = np.asarray(counts, np.float64), np.asarray(weights, np.float64)
+  kept = time > 0
+  values, time = values[kept], time[kept]
+  if not len(values):
+    return dict(mean=None, p50=None, p99=None)
+  order = np.argsort(values, kind="stable")
+  values, cumulative = values[order], np.cumsum(time[order])
+  total = cumulative[-1]
+
+  def percentile(q: float) -> float:
+    # The first count whose cumulative time reaches q% (a hair under: rounding).
+    index = np.searchsorted(cumulative, q / 100 * total * (1 - 1e-9), side="left")
+    return float(values[min(index, len(values) - 1)])
+
+  return dict(mean=float(np.dot(values, time[order]) / total), p50=percentile(50),
+              p99=percentile(99))
 
 
 def _first_event(request: Request, kind: str) -> float | None:
@@ -116,11 +173,13 @@ class MetricsRecorder:
 
   def __init__(self, scheduler: Any, clock: Callable[[], float], *, history: bool = True,
                step_shape: Callable[[Any], tuple[int, int]] | None = None,
-               traits: CostTraits | None = None):
+               traits: CostTraits | None = None,
+               step_parts: Callable[[int], dict[str, float] | None] | None = None):
     self.scheduler = scheduler
     self.clock = clock
     self.step_shape = step_shape  # the executor's: each step's padded shape, recorded
     self.traits = traits or CostTraits()  # the executor's: what its decode rows read, recorded
+    self.step_parts = step_parts  # the executor's: a priced step's parts, recorded
     self.history = history
     self.requests: list[Request] = []
     self.steps: list[dict[str, Any]] = []
@@ -158,6 +217,9 @@ class MetricsRecorder:
     row.update(step_work(output, getattr(self.scheduler, "last_step_time", None),
                          self.step_shape(output) if self.step_shape else None,
                          self.traits.decode_reads_longest))
+    parts = self.step_parts(output.step) if self.step_parts else None
+    if parts is not None:  # a simulated step: what each part of its price was
+      row["parts"] = parts
     for key in ("preemptions", "rejections"):
       row[key] = {str(k): v - self._last[key].get(k, 0) for k, v in stats[key].items()}
       self._last[key] = dict(stats[key])
@@ -201,7 +263,8 @@ class MetricsRecorder:
 
   def summary(self, premises: dict[str, Any], slo_ttft_s: float | None = None,
               slo_tpot_s: float | None = None) -> dict[str, Any]:
-    """The summary record: counts, latency percentiles, throughput, goodput, premises."""
+    """The summary record: counts, latency percentiles, throughput, goodput, the running
+    batch (`running_batch`), premises."""
     rows = self.request_rows()
     stats = self.scheduler.stats()
     done = [r for r in rows if r["status"] == RequestStatus.FINISHED.value
@@ -221,7 +284,7 @@ class MetricsRecorder:
         preemptions={str(k): v for k, v in stats["preemptions"].items()},
         max_kv_usage=max((s["kv_usage"] for s in self.steps), default=0.0),
         pages_total=stats["num_usable_pages"], pages_free_at_end=stats["num_free_pages"],
-        num_steps=len(self.steps), duration_s=end,
+        num_steps=len(self.steps), duration_s=end, running_batch=running_batch(self.steps),
         queue_wait_s=percentiles([r["queue_wait_s"] for r in done]),
         ttft_s=percentiles([r["ttft_s"] for r in done]),
         tpot_s=percentiles([r["tpot_s"] for r in done if r["tpot_s"] is not None]),

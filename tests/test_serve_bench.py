@@ -13,7 +13,7 @@ from serve_utils import make_served_checkpoint
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 REQUIRED = ("num_requests", "num_admitted", "num_finished", "rejections", "num_preemptions",
             "max_kv_usage", "pages_total", "pages_free_at_end", "ttft_s", "tpot_s",
-            "prompt_tokens_per_s", "output_tokens_per_s", "premises")
+            "prompt_tokens_per_s", "output_tokens_per_s", "running_batch", "premises")
 
 
 # Real runs of the tiny config with two of its four layers (tests/tiny_config.py says why).
@@ -54,6 +54,7 @@ def test_simulated_13b(tmp_path):
   assert summary["premises"]["hardware"]["name"] == "a100_80gb"
   assert summary["num_finished"] == summary["num_admitted"] > 0
   assert "TTFT" in result.stdout and "a100_80gb" in result.stdout
+  assert summary["running_batch"]["mean"] > 0 and "running batch" in result.stdout
 
 
 def serve_six_tiny_requests(tmp_path, output_len: int, *flags) -> tuple[dict, list[dict]]:

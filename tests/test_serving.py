@@ -199,3 +199,57 @@ def test_metrics_percentiles_and_goodput():
   assert 0 < summary["goodput_fraction"] <= 1
   assert summary["output_tokens_per_s"] == pytest.approx(20 * 32 / summary["duration_s"])
   assert isinstance(ml_collections.ConfigDict(summary["ttft_s"]), ml_collections.ConfigDict)
+
+
+def test_running_batch_weighs_each_step_by_the_time_it_lasted():
+  # 2 sequences for 1 s, then 4 for 3 s: 3.5 on average, 4 for three quarters of the time.
+  steps = [dict(time=1.0, num_seqs=2, num_running=4), dict(time=4.0, num_seqs=4, num_running=0)]
+  assert metrics.running_batch(steps) == dict(mean=3.5, p50=4.0, p99=4.0)
+  # Many short steps at 8 and one long one at 1: a mean over steps would say ~7.
+  steps = [dict(time=0.01 * (i + 1), num_seqs=8) for i in range(10)] + [
+      dict(time=1.1, num_seqs=1)]
+  assert metrics.running_batch(steps) == pytest.approx(
+      dict(mean=(8 * 0.1 + 1 * 1.0) / 1.1, p50=1.0, p99=8.0))
+  # Exactly half the time at each count: p50 is the lower.
+  assert metrics.running_batch([dict(time=1.0, num_seqs=3), dict(time=2.0, num_seqs=5)])[
+      "p50"] == 3.0
+  # Nothing to weigh: None, as `percentiles` has for an empty list.
+  assert metrics.running_batch([]) == dict(mean=None, p50=None, p99=None)
+  assert metrics.running_batch([dict(time=0.0, num_seqs=3)]) == dict(mean=None, p50=None,
+                                                                      p99=None)
+
+
+def test_running_batch_counts_idle_time_as_an_empty_batch():
+  """A step after the server sat idle (the row before left nothing running, waiting or
+  swapped) holds its count only for its own seconds; the gap before is a batch of 0."""
+  idle = dict(num_running=0, num_waiting=0, num_swapped=0)
+  steps = [dict(time=1.0, num_seqs=2, step_s=1.0, **idle),  # from the start: 2 for 1 s
+           dict(time=1.0, num_seqs=0, step_s=None, **idle),  # drained
+           dict(time=10.0, num_seqs=1, step_s=1.0, num_running=1, num_waiting=0,
+                num_swapped=0),  # idle 8 s, then 1 for 1 s
+           # Busy before: the whole gap is the step's, whatever its seconds say.
+           dict(time=12.0, num_seqs=3, step_s=0.5, **idle)]
+  assert metrics.running_batch(steps) == pytest.approx(
+      dict(mean=(2 * 1 + 1 * 1 + 3 * 2) / 12, p50=0.0, p99=3.0))
+
+
+def test_a_simulated_run_reports_its_running_batch():
+  """At a light load the mean batch is Little's law's mean number of requests in service
+  (the sum of their latencies over the run), far below the batches while busy."""
+  engine, _ = sim_13b()
+  trace = workload.synthesize(num_requests=30, arrival_rate=0.5, prompt_len="512",
+                              output_len="64", vocab_size=32000, seed=1)
+  _, recorder, _ = run(engine, trace)
+  summary = recorder.summary({})
+  batch = summary["running_batch"]
+  assert batch == metrics.running_batch(recorder.steps)
+  in_service = sum(row["e2e_s"] for row in recorder.request_rows()) / recorder.steps[-1]["time"]
+  assert batch["mean"] == pytest.approx(in_service, rel=0.05) and batch["mean"] < 1
+  assert batch["p50"] <= batch["p99"] <= max(step["num_seqs"] for step in recorder.steps)
+  # Saturated, the batch is large and fills most of the time.
+  engine, _ = sim_13b()
+  _, recorder, _ = run(engine, workload.synthesize(num_requests=60, arrival_rate=1000.0,
+                                                   prompt_len="512", output_len="64",
+                                                   vocab_size=32000, seed=1))
+  batch = recorder.summary({})["running_batch"]
+  assert batch["mean"] > 20 and batch["p50"] > 20

@@ -132,7 +132,33 @@ def test_the_summary_measures_kv_waste_of_the_run(tmp_path):
   assert waste["contiguous_reserved_tokens"] == 4096 * len(lengths)
   assert 0 < waste["paged_waste"] < 1 / 3 < waste["contiguous_waste"] < 1
   assert "KV waste" in result.stdout
+  batch = summary["running_batch"]
+  assert 0 < batch["mean"] <= batch["p99"] and "running batch" in result.stdout
   assert (tmp_path / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_tables_carry_the_mean_running_batch():
+  """results.csv has the running batch's figures and the printed table its mean; a row
+  resumed from before it was recorded reads n/a (an empty cell in the CSV)."""
+  summary = dict(num_requests=2, num_finished=2, num_rejected=0, rejections={},
+                 num_preemptions=0, max_kv_usage=0.5, duration_s=1.0,
+                 output_tokens_per_s=100.0, prompt_tokens_per_s=200.0,
+                 goodput_requests_per_s=2.0, goodput_fraction=1.0,
+                 prefill_tokens_computed=10, recomputed_tokens=0,
+                 running_batch=dict(mean=3.5, p50=4.0, p99=4.0),
+                 **{key: dict(p50=0.01, p99=0.02, max=0.03)
+                    for key in ("queue_wait_s", "ttft_s", "tpot_s", "itl_s", "e2e_s")})
+  metrics = sweep.flatten(summary)
+  assert (metrics["running_batch_mean"], metrics["running_batch_p50"],
+          metrics["running_batch_p99"]) == (3.5, 4.0, 4.0)
+  old = {name: value for name, value in metrics.items() if not name.startswith("running")}
+  rows = [dict(cell_id="a", cell={"arrival_rate": 1.0}, metrics=metrics),
+          dict(cell_id="b", cell={"arrival_rate": 2.0}, metrics=old)]
+  table = list(csv.DictReader(sweep.tidy_table(rows).splitlines()))
+  assert [row["running_batch_mean"] for row in table] == ["3.5", ""]
+  header, new, resumed = sweep.format_table(rows).splitlines()
+  column = header.split().index("batch")
+  assert new.split()[column] == "3.5" and resumed.split()[column] == "n/a"
 
 
 def test_sweep_curves_draw_one_line_per_policy(tmp_path):

@@ -1,7 +1,13 @@
 """Fitting a step model's rates to measured step times, and the calibration file.
 
 `fit` takes measured steps (each a `StepWork` and its seconds) and finds the
-`StepRates` whose `StepModel` prices them best:
+`StepRates` whose `StepModel` prices them best. When the model's rates carry operator
+rates (`StepRates.operators`, fitted on per-operator profiles by
+`kvpage.sim.operators.fit`), those price the non-attention work and the all-reduces,
+and the steps fit only what they do not cover: the launch, a prompt-carrying step's
+extra launch, the per-sequence cost, and prefill and decode attention (one bounded
+least-squares solve). Otherwise (a device measured only step by step) the steps fit a
+step-level roofline too (`RegimeRates`):
 
   * Every part is linear in the inverse of its rate (seconds per FLOP, per byte, per
     sequence, per launch), except the linear layers' `max(FLOPs / C, bytes / W)`. For
@@ -29,10 +35,18 @@
   * Decode attention and the per-sequence cost are indistinguishable when every
     decode attends to about the same context (a published profile at one context
     length): then (`tie_decode_attention`, chosen automatically by `decode_spread`)
-    decode attention reads KV at the small regime's weight bandwidth.
+    decode attention reads KV at the small regime's weight bandwidth, or, with
+    operator rates, the per-sequence cost is 0 and decode attention takes it all (the
+    kernels of the engines profiled read each context once per query head, a cost that
+    grows with the context, as a per-sequence constant would not).
   * The all-reduce's latency and link bandwidth, and host swaps, are not fit (one
     tensor-parallel degree cannot separate them from launch and per-token costs): their
     seconds, priced by the hardware entry, are taken off each step before fitting.
+
+Each fit records the distribution of its training steps' measured over predicted
+seconds (`StepRates.noise_quantiles`), from which the simulator can draw a seeded
+multiplicative noise (`--sim_noise`): residuals of a served run are its steps' scatter
+(a shared CPU's tail); of a published profile of medians, mostly the model's misfit.
 
 A rate the data never exercises (no compute-bound small step, say) is not identified:
 it falls back to its sibling (small compute to large, large bandwidth to small) or to
@@ -57,7 +71,8 @@ import numpy as np
 from scipy import optimize
 
 from kvpage.sim.hardware import HardwareSpec
-from kvpage.sim.step_model import StepModel, StepRates, StepWork
+from kvpage.sim.operators import Datasheet, OperatorRates
+from kvpage.sim.step_model import RegimeRates, StepModel, StepRates, StepWork
 
 WEIGHTINGS = ("absolute", "relative", "by_kind")
 LOSSES = ("squares", "absolute")
@@ -66,6 +81,7 @@ IRLS_ITERATIONS = 20  # reweighted solves for loss="absolute" (the median fit)
 # per-sequence cost from KV reads.
 TIE_SPREAD = 0.1
 MAX_THRESHOLDS = 24  # per regime, in the coarse pass over memory/compute thresholds
+NOISE_QUANTILES = 21  # levels of the recorded residual distribution (StepRates.noise_quantiles)
 PROFILE_COLUMNS = ("batch_num_tokens", "batch_num_prefill_tokens", "batch_num_decode_tokens",
                    "batch_size", "batch_execution_time")
 
@@ -94,15 +110,30 @@ class Fit:
     r = self.rates
     lines = [
         f"launch {1e3 * r.launch_s:.3f} ms (+ {1e3 * r.prefill_launch_s:.3f} ms with prompt "
-        f"chunks), per sequence {1e3 * r.per_sequence_s:.4f} ms",
-        f"linear, steps < {r.knee_tokens} tokens: {r.small_flops / 1e12:.3g} TFLOP/s, "
-        f"weights at {r.small_bandwidth / 1e9:.4g} GB/s",
-        f"linear, steps >= {r.knee_tokens} tokens: {r.large_flops / 1e12:.3g} TFLOP/s, "
-        f"weights at {r.large_bandwidth / 1e9:.4g} GB/s",
+        f"chunks), per sequence {1e3 * r.per_sequence_s:.4f} ms"]
+    if r.regimes is not None:
+      g = r.regimes
+      lines += [
+          f"linear, steps < {g.knee_tokens} tokens: {g.small_flops / 1e12:.3g} TFLOP/s, "
+          f"weights at {g.small_bandwidth / 1e9:.4g} GB/s",
+          f"linear, steps >= {g.knee_tokens} tokens: {g.large_flops / 1e12:.3g} TFLOP/s, "
+          f"weights at {g.large_bandwidth / 1e9:.4g} GB/s"]
+    else:
+      o = r.operators
+      assert o is not None
+      lines.append(
+          f"non-attention work (not fit): operator rates, GEMMs at up to "
+          f"{100 * o.gemm_peak_fraction:.0f}% of {o.measured_on.peak_flops / 1e12:.4g} "
+          f"TFLOP/s (half at {o.gemm_half_tokens:.0f} tokens), weights at "
+          f"{o.gemm_bandwidth / 1e9:.4g} GB/s, elementwise at "
+          f"{o.elementwise_bandwidth / 1e9:.4g} GB/s ({o.source})")
+    lines += [
         f"prefill attention {r.prefill_attention_flops / 1e12:.3g} TFLOP/s; decode "
         f"attention reads KV at {r.decode_attention_bandwidth / 1e9:.4g} GB/s"
-        + (" (tied to the small steps' weight bandwidth)" if self.tied_decode_attention else ""),
-        f"all-reduce (not fit): {1e6 * r.allreduce_latency_s:.0f} us + bytes at "
+        + (self._tie_note() if self.tied_decode_attention else ""),
+        "all-reduce (not fit): " + (
+            f"the {r.operators.network} profile for profiled group sizes, else "
+            if r.operators else "") + f"{1e6 * r.allreduce_latency_s:.0f} us + bytes at "
         f"{r.link_bandwidth / 1e9:.4g} GB/s",
         f"weighting {self.weighting}, {self.loss} loss; RMS relative error "
         f"{100 * self.rms_relative_error:.1f}%"
@@ -113,6 +144,11 @@ class Fit:
     if self.not_identified:
       lines.append("not identified by these steps (fallbacks): " + ", ".join(self.not_identified))
     return lines
+
+  def _tie_note(self) -> str:
+    if self.rates.operators is not None:
+      return (" (one context length: per-sequence costs read as KV reads, per_sequence 0)")
+    return " (tied to the small steps' weight bandwidth)"
 
 
 def decode_spread(samples: Sequence[Sample]) -> float:
@@ -126,19 +162,27 @@ def decode_spread(samples: Sequence[Sample]) -> float:
 
 
 def _fixed_seconds(model: StepModel, work: StepWork) -> float:
-  """The parts the fit does not estimate: all-reduces and swaps."""
+  """The parts the fit does not estimate: all-reduces and swaps, and with operator rates
+  the non-attention work."""
   parts = model.price(work).parts
-  return parts["allreduce"] + parts["swap"]
+  fixed = parts["allreduce"] + parts["swap"]
+  return fixed + (parts["non_attention"] if model.rates.operators is not None else 0.0)
 
 
 def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
-            tie: bool) -> np.ndarray:
+            tie: bool, operators: bool) -> np.ndarray:
   """The least-squares columns, one row per step, for a memory/compute assignment:
   launch, prefill launch, sequences, small steps' weight bytes, large steps' weight
   bytes, linear FLOPs, small steps' extra FLOPs, prefill attention FLOPs, decode KV
-  bytes (the inverse rates' order everywhere in this module)."""
+  bytes (the inverse rates' order everywhere in this module). With `operators` the
+  linear columns are empty (operator rates price that work) and, when `tie`, so is the
+  sequences column (one context length: its cost is read as KV reads)."""
   rows = []
   for w in works:
+    if operators:
+      rows.append([1.0, 1.0 if w.has_prefill else 0.0, 0.0 if tie else w.num_sequences,
+                   0.0, 0.0, 0.0, 0.0, w.prefill_attention_flops, w.decode_kv_bytes])
+      continue
     small = w.num_tokens < knee
     memory = w.num_tokens < thresholds[0 if small else 1]
     busy = 1.0 if w.num_tokens > 0 else 0.0
@@ -151,11 +195,17 @@ def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
   return np.array(rows, dtype=np.float64)
 
 
-def _predict(x: np.ndarray, works: Sequence[StepWork], knee: int, tie: bool) -> np.ndarray:
+def _predict(x: np.ndarray, works: Sequence[StepWork], knee: int, tie: bool,
+             operators: bool) -> np.ndarray:
   """Seconds for inverse rates `x` (in `_design`'s column order), with the true max()."""
   launch, prefill_launch, per_seq, small_w, large_w, flops, extra, prefill, decode = x
   out = []
   for w in works:
+    if operators:
+      out.append(launch + (prefill_launch if w.has_prefill else 0.0) + (
+          0.0 if tie else per_seq * w.num_sequences) + w.prefill_attention_flops * prefill
+          + w.decode_kv_bytes * decode)
+      continue
     small = w.num_tokens < knee
     compute = w.linear_flops * (flops + (extra if small else 0.0))
     memory = w.weight_bytes * (small_w if small else large_w)
@@ -217,9 +267,10 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
   if any(not (s.seconds > 0 and math.isfinite(s.seconds)) for s in samples):
     raise ValueError("every measured step needs a finite time > 0 s")
   template = StepRates.template(hardware)
-  knee = template.knee_tokens if knee_tokens is None else knee_tokens
+  knee = template.regimes.knee_tokens if knee_tokens is None else knee_tokens
   tie = decode_spread(samples) < TIE_SPREAD if tie_decode_attention is None else (
       tie_decode_attention)
+  operators = model.rates.operators is not None
   works = [s.work for s in samples]
   y = np.array([s.seconds - _fixed_seconds(model, s.work) for s in samples])
   measured = np.array([s.seconds for s in samples])
@@ -231,7 +282,7 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
                     slack / hardware.hbm_bandwidth])
   floor = 1e-3 * float(np.median(np.abs(y * weights)))  # IRLS: no residual counts as 0
   def solve(thresholds: tuple[int, int]) -> tuple[float, np.ndarray]:
-    unweighted = _design(works, knee, thresholds, tie)
+    unweighted = _design(works, knee, thresholds, tie, operators)
     scale = np.abs(unweighted * weights[:, None]).max(axis=0)
     used = scale > 0
     scale[~used] = 1.0
@@ -246,12 +297,13 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
       factors = weights / np.sqrt(np.maximum(residuals, floor))
     solution = np.where(used, scaled / scale, np.nan)
     x = np.where(np.isnan(solution), lower, solution)
-    errors = (_predict(x, works, knee, tie) - y) * weights
+    errors = (_predict(x, works, knee, tie, operators) - y) * weights
     return float(np.sum(np.abs(errors)) if loss == "absolute" else np.sum(errors ** 2)), solution
 
   # A coarse grid of thresholds, then every candidate between the best one's neighbours
   # (one regime at a time): exact for a few dozen distinct token counts, cheap for more.
-  candidates = [_thresholds(works, knee, True), _thresholds(works, knee, False)]
+  candidates = ([[0], [0]] if operators else  # operator rates: no linear columns to assign
+                [_thresholds(works, knee, True), _thresholds(works, knee, False)])
   coarse = [_thin(c, MAX_THRESHOLDS) for c in candidates]
   results = {t: solve(t) for t in itertools.product(*coarse)}
   best_thresholds = min(results, key=lambda t: results[t][0])
@@ -266,19 +318,24 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
     best_thresholds = min(results, key=lambda t: results[t][0])
   best = results[best_thresholds]
   _, solution = best
-  rates, missing = _rates(solution, template, knee, tie, source)
-  rates = dataclasses.replace(rates, padded_work=padded_work,
+  rates, missing = _rates(solution, template, knee, tie, source, model.rates.operators)
+  rates = dataclasses.replace(rates, padded_work=padded_work, measured_on=Datasheet.of(hardware),
                               decode_reads_longest=padded_work and decode_reads_longest)
   priced = model.with_rates(rates)
   predicted = np.array([priced.price(w).seconds for w in works])
   rms = float(np.sqrt(np.mean((predicted / measured - 1.0) ** 2)))
+  # The residuals' distribution, for the simulator's optional step-time noise.
+  quantiles = np.quantile(measured / predicted, np.linspace(0.0, 1.0, NOISE_QUANTILES))
+  rates = dataclasses.replace(rates, noise_quantiles=tuple(
+      float(q) for q in np.maximum.accumulate(quantiles)))
   return Fit(rates=rates, weighting=weighting, tied_decode_attention=tie,
              not_identified=missing, rms_relative_error=rms, loss=loss)
 
 
-def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool,
-           source: str) -> tuple[StepRates, tuple[str, ...]]:
-  """Inverse rates (NaN: not identified) to `StepRates`, with fallbacks named."""
+def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool, source: str,
+           operators: OperatorRates | None) -> tuple[StepRates, tuple[str, ...]]:
+  """Inverse rates (NaN: not identified) to `StepRates`, with fallbacks named; with
+  `operators`, those price the non-attention work and the fit found the rest."""
   launch, prefill_launch, per_seq, small_w, large_w, flops, extra, prefill, decode = solution
   missing = []
 
@@ -288,19 +345,33 @@ def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool,
       return fallback
     return 1.0 / inverse
 
-  large_flops = rate(flops, "large_flops", template.large_flops)
+  if operators is not None:
+    return StepRates(
+        launch_s=0.0 if np.isnan(launch) else float(launch),
+        prefill_launch_s=0.0 if np.isnan(prefill_launch) else float(prefill_launch),
+        per_sequence_s=0.0 if np.isnan(per_seq) else float(per_seq), operators=operators,
+        prefill_attention_flops=float(rate(prefill, "prefill_attention_flops",
+                                           template.prefill_attention_flops)),
+        decode_attention_bandwidth=float(rate(decode, "decode_attention_bandwidth",
+                                              template.decode_attention_bandwidth)),
+        allreduce_latency_s=template.allreduce_latency_s, link_bandwidth=template.link_bandwidth,
+        source=source), tuple(missing)
+
+  large_flops = rate(flops, "large_flops", template.regimes.large_flops)
   small_flops = (large_flops if np.isnan(flops) else 1.0 / (flops + (
       0.0 if np.isnan(extra) else extra)))
-  small_bandwidth = rate(small_w, "small_bandwidth", template.small_bandwidth)
+  small_bandwidth = rate(small_w, "small_bandwidth", template.regimes.small_bandwidth)
   large_bandwidth = rate(large_w, "large_bandwidth", small_bandwidth)
   decode_bandwidth = small_bandwidth if tie else rate(decode, "decode_attention_bandwidth",
                                                       template.decode_attention_bandwidth)
   return StepRates(
       launch_s=0.0 if np.isnan(launch) else float(launch),
       prefill_launch_s=0.0 if np.isnan(prefill_launch) else float(prefill_launch),
-      per_sequence_s=0.0 if np.isnan(per_seq) else float(per_seq), knee_tokens=knee,
-      small_flops=float(small_flops), small_bandwidth=float(small_bandwidth),
-      large_flops=float(large_flops), large_bandwidth=float(large_bandwidth),
+      per_sequence_s=0.0 if np.isnan(per_seq) else float(per_seq),
+      regimes=RegimeRates(knee_tokens=knee, small_flops=float(small_flops),
+                          small_bandwidth=float(small_bandwidth),
+                          large_flops=float(large_flops),
+                          large_bandwidth=float(large_bandwidth)),
       prefill_attention_flops=float(rate(prefill, "prefill_attention_flops",
                                          template.prefill_attention_flops)),
       decode_attention_bandwidth=float(decode_bandwidth),

@@ -14,6 +14,11 @@ the sequences still live, and pays the launch once. With `buckets` (rates fit on
 kvpage run's padded steps, `StepRates.padded_work`) each step is priced at the shape
 kvpage's engine would pad it to, as it was measured.
 
+With `noise` (a seeded `StepNoise`, `--sim_noise`) each step's seconds are multiplied by
+a ratio drawn from the calibration's residuals. Each step's priced parts
+(`StepModel.named_parts`) wait for the metrics recorder (`step_parts`), so a run's
+`steps.jsonl` can be read back part by part.
+
 The simulated device keeps its own timeline, as a GPU's stream does: `submit` queues
 a step behind the one in flight (it starts when the device is free, or now if idle)
 and returns at once with the time it will end; `collect` waits for it, advancing the
@@ -32,7 +37,7 @@ from kvpage.batch import Buckets
 from kvpage.clock import PacedClock, VirtualClock
 from kvpage.interface import CostTraits, Executor, Samples, SchedulerOutput
 from kvpage.sim import step_model
-from kvpage.sim.step_model import StepCost, StepModel
+from kvpage.sim.step_model import StepCost, StepModel, StepNoise
 
 DUMMY_TOKEN = 1
 
@@ -41,11 +46,13 @@ class SimExecutor(Executor):
   """The executor contract over a step-cost model and a virtual clock."""
 
   def __init__(self, model: StepModel, clock: VirtualClock | PacedClock,
-               buckets: Buckets | None = None):
+               buckets: Buckets | None = None, noise: StepNoise | None = None):
     self.model = model
     self.clock = clock
     self.buckets = buckets  # None: steps are priced unpadded
+    self.noise = noise  # None: every step costs exactly its price
     self.costs: list[StepCost] = []
+    self._parts: dict[int, dict[str, float]] = {}  # by step, until the recorder reads them
     self._device_free_at = clock()  # when the last submitted step ends
     # As the engine the rates were fit on: its decode rows read to the longest when its
     # steps are priced padded. Fixed with the model and the buckets: made once, not per
@@ -60,6 +67,12 @@ class SimExecutor(Executor):
   @property
   def traits(self) -> CostTraits:
     return self._traits
+
+  def step_parts(self, step: int) -> dict[str, float] | None:
+    """The named parts of step `step`'s price (`StepModel.named_parts`, summed over a
+    multi-step launch's iterations, with `noise_s` when noise is on); each is handed
+    out once."""
+    return self._parts.pop(step, None)
 
   def step_shape(self, output: SchedulerOutput) -> tuple[int, int]:
     """The shape the step is priced at: padded to `buckets` when given."""
@@ -90,26 +103,36 @@ class SimExecutor(Executor):
     """Prices the step and queues it on the device's timeline, behind the step in
     flight; the ticket is when it ends and its samples."""
     if output.num_steps > 1:
-      seconds, samples = self._price_multi_step(output)
+      costs, samples = self._price_multi_step(output)
     else:
       sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
                    for seq in output.scheduled]
-      seconds = self._price(sequences, len(output.swap_out) + len(output.swap_in),
-                            num_sampled=sum(seq.samples for seq in output.scheduled)).seconds
+      costs = [self._price(sequences, len(output.swap_out) + len(output.swap_in),
+                           num_sampled=sum(seq.samples for seq in output.scheduled))]
       samples = {seq.request_id: DUMMY_TOKEN for seq in output.scheduled if seq.samples}
+    parts: dict[str, float] = {}
+    for cost in costs:
+      for name, value in self.model.named_parts(cost).items():
+        parts[name] = parts.get(name, 0.0) + value
+    seconds = parts["total_s"]
+    if self.noise is not None and seconds > 0:
+      parts["noise_s"] = seconds * (self.noise.factor() - 1.0)
+      seconds += parts["noise_s"]
+      parts["total_s"] = seconds
+    self._parts[output.step] = parts
     self._device_free_at = max(self._device_free_at, self.clock()) + seconds
     return self._device_free_at, samples
 
-  def _price_multi_step(self, output: SchedulerOutput) -> tuple[float, Samples]:
+  def _price_multi_step(self, output: SchedulerOutput) -> tuple[list[StepCost], Samples]:
     """A multi-step decode, priced iteration by iteration (each a forward pass), the
-    launch paid once; its seconds and samples."""
-    seconds = 0.0
+    launch paid once; its costs and samples."""
+    costs = []
     for i in range(max(seq.num_steps for seq in output.scheduled)):
       live = [seq for seq in output.scheduled if seq.num_steps > i]
-      seconds += self._price([(1, seq.start_position + 1 + i) for seq in live],
-                             launch=i == 0).seconds
-    return seconds, {seq.request_id: [DUMMY_TOKEN] * seq.num_steps
-                     for seq in output.scheduled}
+      costs.append(self._price([(1, seq.start_position + 1 + i) for seq in live],
+                               launch=i == 0))
+    return costs, {seq.request_id: [DUMMY_TOKEN] * seq.num_steps
+                   for seq in output.scheduled}
 
   def collect(self, ticket: tuple[float, Samples]) -> Samples:
     """Waits for a submitted step: the clock advances to its end; returns its samples."""

@@ -24,6 +24,10 @@ class HardwareSpec:
   # Tensor-parallel all-reduces: bytes/s each way per device, and seconds per all-reduce.
   interconnect_bandwidth: float = 300e9
   interconnect_latency_s: float = 2e-5
+  # Which interconnect's all-reduce profile prices its tensor-parallel groups
+  # (`OperatorRates.allreduce`): "nvswitch" (every GPU of a node on NVLink switches) or
+  # "nvlink_pairs" (GPUs bridged in pairs); any other: the two figures above.
+  network: str = "nvswitch"
   # A calibration file (under configs/calibrations/) whose fitted step rates replace the
   # template ones; None: the template.
   calibration: str | None = None

@@ -1,27 +1,39 @@
 """What one step costs on a device, as a sum of named parts with calibrated rates.
 
-A step of `T` tokens over `B` sequences, on one device of a tensor-parallel group of
-`tp`, takes
+A step of `T` tokens over `B` sequences, `S` of them sampled, on one device of a
+tensor-parallel group of `tp`, takes
 
-    launch                                   per launch (kernel launches, host work)
-  + prefill_launch, if it carries prompt chunks    the costlier program of a mixed step
+    launch                                   per step (kernel launches, host work)
+  + prefill_launch, if it carries prompt chunks    only where a calibration shows one
   + per_sequence x B                         scheduling, sampling, metadata per sequence
-  + max(linear FLOPs / C_r, weight bytes / W_r)   the projections, MLP and LM head
+  + non-attention work at T tokens           the projections, norms, rope, activation,
+                                             residual adds of every layer, the embedding,
+                                             and the LM head over S rows
   + prefill attention FLOPs / A_prefill      causal (query, key) pairs of prompt chunks
   + decode KV bytes / A_decode               every decode's context read once
-  + 2 x layers x (latency + ring bytes / link)  two all-reduces a layer (tp > 1)
+  + 2 x layers x all-reduce(T x d_model)     tp > 1
 
-where `r` is the step's regime: `small` below `knee_tokens` tokens, `large` from there
-on (GEMM kernels for a few rows run at a different efficiency than for many, and a
-batch of decodes reads the weights at a different rate than a prefill). Each rate is
-an effective one (what kernels reach, not the datasheet's peak), so a calibration
-(`kvpage.sim.calibration`) fits them to measured step times; `StepRates.template`
-derives uncalibrated ones from a datasheet and template efficiencies.
+The non-attention work is priced one of two ways:
 
-A step that carries prompt chunks pays `prefill_launch` on top: engines run such
-steps through a costlier program than a decode-only one (vLLM replays a captured CUDA
-graph for decode batches and launches mixed batches eagerly; kvpage's mixed XLA
-program pads its prompt chunks to query blocks), a fixed cost no token count explains.
+  * `operators` (`kvpage.sim.operators`): operator by operator, from rates fitted on
+    per-operator profiles (a GEMM's weight reads against its FLOPs at an efficiency
+    curve over the token count, elementwise ops by bytes, all-reduces from the
+    interconnect's profile). A mixed step is the sum of its parts at its total token
+    count: its prompt chunks share the step's launch and its weight reads.
+  * `regimes` (`RegimeRates`): a step-level roofline, `max(linear FLOPs / C_r, weight
+    bytes / W_r)` with `r` the step's regime (`small` below `knee_tokens` tokens,
+    `large` from there on), for devices measured only step by step (a kvpage run on
+    this machine, `kvpage.sim.calibration`).
+
+Every rate is an effective one (what kernels reach, not the datasheet's peak), so a
+calibration (`kvpage.sim.calibration`) fits them to measured step times;
+`StepRates.template` derives uncalibrated ones from a datasheet and template
+efficiencies, and `StepRates.carried_to` carries measured ones to another device by
+the ratios of the datasheets.
+
+A step that carries prompt chunks may pay `prefill_launch` on top: kvpage's mixed XLA
+program pads its prompt chunks to query blocks, a fixed cost a CPU run's steps show.
+It is 0 unless a calibration finds it.
 
 Engines compute padded shapes (vLLM pads decode batches to CUDA-graph sizes; kvpage
 pads every batch to its bucket ladder, `kvpage.batch.Buckets`), so a step costs what
@@ -38,69 +50,117 @@ Work per device: the decoder layers' and LM head's weights are split `tp` ways
 split), query heads split `tp` ways, KV heads too, each device holding at least one
 (replicated when there are fewer KV heads than devices, as vLLM does).
 
-A chunk's prefill attention counts every pair it computes, so later chunks of a
-prompt pay for re-reading the earlier chunks' keys (pairs grow with the context
-already in the cache), which makes chunked prefill cost more than one whole prefill.
+A chunk's prefill attention counts every pair it computes: a prompt in chunks computes
+as many pairs as in one piece (each chunk's queries against the keys before and in
+it), so chunking adds no attention FLOPs; what a chunk adds is its own launch, its
+own reads of the weights and the GEMMs' per-call overhead at fewer rows.
 
-Pure Python: never imports jax.
+Pure Python and numpy: never imports jax.
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
-from kvpage import metrics, model_shape, units
-from kvpage.sim.hardware import HardwareSpec
+import numpy as np
 
-PARTS = ("launch", "prefill_launch", "sequences", "linear", "prefill_attention", "decode_attention",
-         "allreduce", "swap")
+from kvpage import metrics, model_shape, units
+from kvpage.sim import operators as operators_lib
+from kvpage.sim.hardware import HardwareSpec
+from kvpage.sim.operators import Datasheet, OperatorRates
+
+PARTS = ("launch", "prefill_launch", "sequences", "non_attention", "prefill_attention",
+         "decode_attention", "allreduce", "swap")
+
+
+def _check_rates(record: Any, names: Sequence[str], where: str) -> None:
+  """Each of `names` a finite number: `_s` fields >= 0, the rest > 0."""
+  for name in names:
+    value = getattr(record, name)
+    minimum_ok = value >= 0 if name.endswith("_s") else value > 0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+        minimum_ok and math.isfinite(value)):
+      raise ValueError(f"{where}: {name} must be a finite number "
+                       f"{'>= 0' if name.endswith('_s') else '> 0'}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RegimeRates:
+  """The non-attention work as one roofline per regime: steps below `knee_tokens`
+  tokens compute at `small_flops` and read weights at `small_bandwidth`, the rest at
+  the `large_*` rates (a step-level fit, for a device without operator profiles)."""
+
+  knee_tokens: int
+  small_flops: float
+  small_bandwidth: float
+  large_flops: float
+  large_bandwidth: float
+
+  def __post_init__(self):
+    _check_rates(self, [f.name for f in dataclasses.fields(self)], "regime rates")
+
+  def carried(self, peak: float, memory: float) -> "RegimeRates":
+    return dataclasses.replace(
+        self, small_flops=self.small_flops * peak, large_flops=self.large_flops * peak,
+        small_bandwidth=self.small_bandwidth * memory,
+        large_bandwidth=self.large_bandwidth * memory)
 
 
 @dataclasses.dataclass(frozen=True)
 class StepRates:
   """Effective rates of a step's named parts (seconds, FLOP/s, bytes/s), with their source.
 
-  `small_*` price the linear layers of steps below `knee_tokens` tokens, `large_*` the
-  rest. The all-reduce's `allreduce_latency_s` and `link_bandwidth` (bytes/s each way
-  per device) come from the interconnect; a calibration on one tensor-parallel degree
-  cannot separate them from the other parts, so they are the hardware entry's.
-  `prefill_launch_s` is what a step carrying prompt chunks pays beyond `launch_s`
-  (0 unless calibrated; a file without it reads as 0). `padded_work`: the rates price
-  steps padded to the engine's buckets (`padded_counts`), as they were fit;
-  `decode_reads_longest`: and each padded row's decode attention as reading as far as
-  the step's longest decode context (the executor's `CostTraits.decode_reads_longest`:
-  kvpage's XLA path), as the run they were fit on recorded.
+  The non-attention work is priced by `operators` or by `regimes` (exactly one; see
+  the module docstring). The all-reduce's `allreduce_latency_s` and `link_bandwidth`
+  (bytes/s each way per device) price group sizes the operator rates did not profile;
+  they are the hardware entry's. `prefill_launch_s` is what a step carrying prompt
+  chunks pays beyond `launch_s` (0 unless calibrated). `measured_on`: the datasheet of
+  the device the rates were fitted on (None: a template), what `carried_to` scales by.
+  `padded_work`: the rates price steps padded to the engine's buckets
+  (`padded_counts`), as they were fit; `decode_reads_longest`: and each padded row's
+  decode attention as reading as far as the step's longest decode context (the
+  executor's `CostTraits.decode_reads_longest`: kvpage's XLA path), as the run they
+  were fit on recorded. `noise_quantiles`: measured over predicted seconds of the steps
+  the rates were fitted on, at evenly spaced quantiles from 0 to 1 (the residuals'
+  distribution, scatter and misfit alike), which the simulator draws a multiplicative
+  step-time noise from when asked to (`StepNoise`); empty: none recorded.
   """
 
   launch_s: float
   per_sequence_s: float
-  knee_tokens: int
-  small_flops: float
-  small_bandwidth: float
-  large_flops: float
-  large_bandwidth: float
   prefill_attention_flops: float
   decode_attention_bandwidth: float
   allreduce_latency_s: float
   link_bandwidth: float
   source: str
+  regimes: RegimeRates | None = None
+  operators: OperatorRates | None = None
   prefill_launch_s: float = 0.0
+  measured_on: Datasheet | None = None
   padded_work: bool = False
   decode_reads_longest: bool = False
+  noise_quantiles: tuple[float, ...] = ()
 
   def __post_init__(self):
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if field.name in ("padded_work", "decode_reads_longest") and not isinstance(value, bool):
-        raise ValueError(f"step rates: {field.name} must be true or false, got {value!r}")
-      if field.name in ("source", "padded_work", "decode_reads_longest"):
-        continue
-      minimum_ok = value >= 0 if field.name.endswith("_s") else value > 0
-      if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-          minimum_ok and math.isfinite(value)):
-        raise ValueError(f"step rates: {field.name} must be a finite number "
-                         f"{'>= 0' if field.name.endswith('_s') else '> 0'}, got {value!r}")
+    object.__setattr__(self, "noise_quantiles", tuple(self.noise_quantiles))
+    if self.noise_quantiles and not (
+        all(q > 0 and math.isfinite(q) for q in self.noise_quantiles)
+        and list(self.noise_quantiles) == sorted(self.noise_quantiles)
+        and len(self.noise_quantiles) >= 2):
+      raise ValueError("step rates: noise_quantiles must be at least two finite ratios > 0 in "
+                       f"increasing order, got {self.noise_quantiles!r}")
+    for name in ("padded_work", "decode_reads_longest"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"step rates: {name} must be true or false, got "
+                         f"{getattr(self, name)!r}")
+    if (self.regimes is None) == (self.operators is None):
+      raise ValueError("step rates: give exactly one of `regimes` (a step-level roofline) "
+                       "and `operators` (per-operator rates)")
+    _check_rates(self, ("launch_s", "per_sequence_s", "prefill_attention_flops",
+                        "decode_attention_bandwidth", "allreduce_latency_s", "link_bandwidth",
+                        "prefill_launch_s"), "step rates")
 
   @classmethod
   def template(cls, hardware: HardwareSpec) -> "StepRates":
@@ -109,16 +169,39 @@ class StepRates:
     flops = hardware.peak_flops * hardware.compute_efficiency
     bandwidth = hardware.hbm_bandwidth * hardware.bandwidth_efficiency
     return cls(launch_s=hardware.step_overhead_s, per_sequence_s=0.0,
-               knee_tokens=ridge_tokens(hardware), small_flops=flops,
-               small_bandwidth=bandwidth, large_flops=flops, large_bandwidth=bandwidth,
+               regimes=RegimeRates(knee_tokens=ridge_tokens(hardware), small_flops=flops,
+                                   small_bandwidth=bandwidth, large_flops=flops,
+                                   large_bandwidth=bandwidth),
                prefill_attention_flops=flops, decode_attention_bandwidth=bandwidth,
                allreduce_latency_s=hardware.interconnect_latency_s,
                link_bandwidth=hardware.interconnect_bandwidth,
                source=f"template: {hardware.name}'s datasheet x template efficiencies "
                f"({hardware.efficiency_source})")
 
+  def carried_to(self, hardware: HardwareSpec) -> "StepRates":
+    """These rates on `hardware`: FLOP-bound rates scaled by the ratio of the datasheets'
+    dense peaks, byte-bound ones by their HBM bandwidths, the operators' all-reduces by
+    their interconnects (`OperatorRates.carried_to`); launch, per-sequence and latency
+    costs, host work, unchanged. Rates not measured on a device (a template) are
+    returned as they are."""
+    if self.measured_on is None or self.measured_on.name == hardware.name:
+      return self
+    peak, memory, _ = self.measured_on.ratios(hardware)
+    return dataclasses.replace(
+        self, prefill_attention_flops=self.prefill_attention_flops * peak,
+        decode_attention_bandwidth=self.decode_attention_bandwidth * memory,
+        regimes=self.regimes and self.regimes.carried(peak, memory),
+        operators=self.operators and self.operators.carried_to(hardware),
+        allreduce_latency_s=hardware.interconnect_latency_s,
+        link_bandwidth=hardware.interconnect_bandwidth, measured_on=Datasheet.of(hardware),
+        source=f"{self.source}; carried from {self.measured_on.name} to {hardware.name} by "
+        f"the datasheets (peak x{peak:.3g}, HBM x{memory:.3g})")
+
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    values = dataclasses.asdict(self)
+    if self.operators is not None:
+      values["operators"] = self.operators.to_dict()
+    return values
 
   @classmethod
   def from_dict(cls, values: dict[str, Any], where: str = "step rates") -> "StepRates":
@@ -129,6 +212,16 @@ class StepRates:
     if unknown or missing:
       raise ValueError(f"{where}: unknown keys {sorted(unknown)}, missing {sorted(missing)}"
                        if unknown else f"{where}: missing keys {sorted(missing)}")
+    values = dict(values)
+    try:
+      if values.get("regimes") is not None:
+        values["regimes"] = RegimeRates(**values["regimes"])
+      if values.get("measured_on") is not None:
+        values["measured_on"] = Datasheet(**values["measured_on"])
+    except TypeError as error:
+      raise ValueError(f"{where}: {error}") from None
+    if values.get("operators") is not None:
+      values["operators"] = OperatorRates.from_dict(values["operators"], f"{where} operators")
     return cls(**values)
 
 
@@ -150,9 +243,10 @@ class StepWork:
   weight_bytes: float
   prefill_attention_flops: float
   decode_kv_bytes: float
-  allreduce_bytes: float  # each all-reduce's ring traffic per device
+  allreduce_bytes: float  # each all-reduce's reduced bytes per device
   num_allreduces: int
   swap_bytes: float = 0.0
+  num_sampled: int = 0  # rows through the LM head
 
   @property
   def has_prefill(self) -> bool:
@@ -162,11 +256,12 @@ class StepWork:
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
-  """A priced step: its work, each part's seconds, and which bound the linear layers hit."""
+  """A priced step: its work, each part's seconds, and which bound its largest
+  projection hit ("compute" | "memory")."""
 
   work: StepWork
   parts: dict[str, float]
-  linear_bound: str  # "compute" | "memory"
+  linear_bound: str
 
   @property
   def seconds(self) -> float:
@@ -195,7 +290,8 @@ class StepModel:
     self.kv_bytes_per_token = model_shape.kv_bytes_per_token(model, self.kv_dtype,
                                                           tensor_parallel=tp)
     self.flops_per_pair = 4 * model.num_layers * (model.num_heads // tp) * model.head_dim
-    self.ring_fraction = 2 * (tp - 1) / tp
+    # Cached per token count: a served run prices the same few shapes thousands of times.
+    self.layer_parts = functools.lru_cache(maxsize=4096)(self._layer_parts)
 
   def with_rates(self, rates: StepRates) -> "StepModel":
     """The same model and device group, priced by other rates."""
@@ -216,42 +312,122 @@ class StepModel:
     """`work` from a step's counts (`step_counts`; what `steps.jsonl` records)."""
     busy = num_tokens > 0
     return StepWork(
-        num_tokens=num_tokens, num_sequences=num_sequences,
+        num_tokens=num_tokens, num_sequences=num_sequences, num_sampled=num_sampled,
         linear_flops=2.0 * (self.layer_parameters * num_tokens
                             + self.head_parameters * num_sampled),
         weight_bytes=(self.weight_bytes + num_tokens * self.model.d_model
                       * self.weight_itemsize) if busy else 0.0,
         prefill_attention_flops=float(self.flops_per_pair * prefill_pairs),
         decode_kv_bytes=float(self.kv_bytes_per_token * decode_context),
-        allreduce_bytes=self.ring_fraction * num_tokens * self.model.d_model
-        * self.weight_itemsize,
+        allreduce_bytes=float(num_tokens * self.model.d_model * self.weight_itemsize),
         num_allreduces=2 * self.model.num_layers if self.tensor_parallel > 1 and busy else 0,
         swap_bytes=float(num_swapped_pages * self.page_size * self.kv_bytes_per_token))
+
+  def _layer_parts(self, num_tokens: int) -> dict[str, float]:
+    """One layer's non-attention operators at `num_tokens`, seconds each (operator rates)."""
+    ops = operators_lib.layer_operators(self.model, num_tokens, self.tensor_parallel,
+                                        self.weight_itemsize)
+    rates = self.rates.operators
+    assert rates is not None
+    return {name: rates.seconds(op, self.weight_itemsize) for name, op in ops.items()}
+
+  def step_operator_parts(self, num_tokens: int, num_sampled: int) -> dict[str, float]:
+    """The once-a-step operators' seconds: embedding, final norm, LM head."""
+    ops = operators_lib.step_operators(self.model, num_tokens, num_sampled,
+                                       self.tensor_parallel, self.weight_itemsize)
+    rates = self.rates.operators
+    assert rates is not None
+    return {name: rates.seconds(op, self.weight_itemsize) for name, op in ops.items()}
+
+  def allreduce_seconds(self, work: StepWork) -> float:
+    """One all-reduce of the step's activations: the operators' profile for this group
+    size, else the template's latency and link."""
+    if not work.num_allreduces:
+      return 0.0
+    r, tp = self.rates, self.tensor_parallel
+    profiled = r.operators and r.operators.allreduce_seconds(work.allreduce_bytes, tp)
+    if profiled is not None:
+      return profiled
+    return r.allreduce_latency_s + 2 * (tp - 1) / tp * work.allreduce_bytes / r.link_bandwidth
+
+  def _non_attention(self, work: StepWork) -> tuple[float, str]:
+    """The non-attention work's seconds and the bound of its largest projection."""
+    r = self.rates
+    if r.operators is not None:
+      if not work.num_tokens:
+        return 0.0, "memory"
+      layer = sum(self.layer_parts(work.num_tokens).values())
+      seconds = self.model.num_layers * layer + sum(
+          self.step_operator_parts(work.num_tokens, work.num_sampled).values())
+      largest = operators_lib.layer_operators(self.model, work.num_tokens, self.tensor_parallel,
+                                              self.weight_itemsize)["gate_up"]
+      memory, compute = r.operators.gemm_bounds(largest, self.weight_itemsize)
+      return seconds, "compute" if compute >= memory else "memory"
+    assert r.regimes is not None
+    regimes = r.regimes
+    small = work.num_tokens < regimes.knee_tokens
+    compute = work.linear_flops / (regimes.small_flops if small else regimes.large_flops)
+    memory = work.weight_bytes / (regimes.small_bandwidth if small else regimes.large_bandwidth)
+    return max(compute, memory), "compute" if compute >= memory else "memory"
 
   def price(self, work: StepWork, *, launch: bool = True) -> StepCost:
     """Each part's seconds; `launch=False` for a later iteration of a multi-step launch."""
     r = self.rates
-    small = work.num_tokens < r.knee_tokens
-    compute = work.linear_flops / (r.small_flops if small else r.large_flops)
-    memory = work.weight_bytes / (r.small_bandwidth if small else r.large_bandwidth)
     busy = work.num_tokens > 0 or work.swap_bytes > 0
+    non_attention, bound = self._non_attention(work)
     parts = dict(
         launch=r.launch_s if busy and launch else 0.0,
         prefill_launch=r.prefill_launch_s if work.has_prefill and launch else 0.0,
         sequences=r.per_sequence_s * work.num_sequences,
-        linear=max(compute, memory),
+        non_attention=non_attention,
         prefill_attention=work.prefill_attention_flops / r.prefill_attention_flops,
         decode_attention=work.decode_kv_bytes / r.decode_attention_bandwidth,
-        allreduce=work.num_allreduces * (r.allreduce_latency_s
-                                         + work.allreduce_bytes / r.link_bandwidth),
+        allreduce=work.num_allreduces * self.allreduce_seconds(work),
         swap=work.swap_bytes / self.host_link_bandwidth)
-    return StepCost(work=work, parts=parts,
-                    linear_bound="compute" if compute >= memory else "memory")
+    return StepCost(work=work, parts=parts, linear_bound=bound)
+
+  def named_parts(self, cost: StepCost) -> dict[str, float]:
+    """A priced step's parts as a reader asks for them, in seconds: its launch (with any
+    `prefill_launch`), per-sequence work, ONE layer's non-attention operators, all-reduces
+    and attention on one device, the once-a-step operators (embedding, final norm, LM
+    head), swaps, and the total. The total is the launch, sequences, step operators and
+    swaps plus the number of layers times the three per-layer parts. With regime rates
+    the non-attention work is one roofline: spread over the layers, head included."""
+    parts, layers = cost.parts, self.model.num_layers
+    step_ops = (sum(self.step_operator_parts(cost.work.num_tokens,
+                                             cost.work.num_sampled).values())
+                if self.rates.operators is not None and cost.work.num_tokens else 0.0)
+    return dict(launch_s=parts["launch"] + parts["prefill_launch"],
+                sequences_s=parts["sequences"],
+                non_attention_layer_s=(parts["non_attention"] - step_ops) / layers,
+                all_reduce_layer_s=parts["allreduce"] / layers,
+                attention_layer_s=(parts["prefill_attention"] + parts["decode_attention"])
+                / layers,
+                step_operators_s=step_ops, swap_s=parts["swap"], total_s=cost.seconds)
 
   def step_cost(self, sequences: Sequence[tuple[int, int]], num_swapped_pages: int = 0,
                 num_sampled: int | None = None, *, launch: bool = True) -> StepCost:
     """`work` then `price`: one step's cost."""
     return self.price(self.work(sequences, num_swapped_pages, num_sampled), launch=launch)
+
+
+class StepNoise:
+  """A seeded multiplicative step-time noise: each step's seconds times a ratio drawn from
+  `StepRates.noise_quantiles` (inverse-transform sampling, linear between quantiles).
+  A fit that prices the median step (`loss="absolute"`) leaves the tail of real step
+  times out of the simulator's mean; drawing the residuals back puts it in."""
+
+  def __init__(self, quantiles: Sequence[float], seed: int):
+    if len(quantiles) < 2:
+      raise ValueError("step-time noise needs step rates with noise quantiles: rates fitted "
+                       "by experiments.calibrate (templates have none)")
+    self.quantiles = np.asarray(quantiles, dtype=np.float64)
+    self.levels = np.linspace(0.0, 1.0, len(quantiles))
+    self.rng = np.random.default_rng(seed)
+
+  def factor(self) -> float:
+    """The next step's ratio."""
+    return float(np.interp(self.rng.random(), self.levels, self.quantiles))
 
 
 def padded_counts(counts: dict[str, int], tokens: int, sequences: int,
