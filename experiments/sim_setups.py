@@ -8,7 +8,7 @@
     and the one setup whose step times are fit to measurements.
 
 The SLOs scale with the device's unloaded decode step (batch 1, 1,024 tokens of context:
-17.3 ms for the 13B setup, 49.8 ms for Yi-34B): a strict TPOT p99 of about 2x it, an ITL
+17.3 ms for the 13B setup, 46.2 ms for Yi-34B): a strict TPOT p99 of about 2x it, an ITL
 p99 (Sarathi's time-between-tokens) of about 5-6x, and the admission study's goodput
 TPOT of about 3x. Arrival rates are the studies' own (written for the 13B setup) times
 `rate_scale`, so that each setup's sweep reaches past its saturation.
