@@ -22,6 +22,16 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       admission="watermark",
       max_waiting=1024,  # admitted-but-not-running requests; beyond: 429; 0 = unbounded
       watermark=0.15,  # fraction of usable pages that must stay free after admission; else 503
+      # The other lines an operator may hold, each off at 0; any may join the KV line
+      # (the line study, experiments/line_study.py, sets them against each other):
+      rate_limit=0.0,  # requests/s through a token bucket (a gateway's rate limit); 429
+      rate_burst=1,  # the bucket's size: requests that may pass at once
+      max_concurrent=0,  # admitted, unfinished requests (TGI's max_concurrent_requests); 429
+      max_inflight_tokens=0,  # prompt + expected output tokens of admitted, unfinished
+      # requests, this one's included; beyond: 503
+      max_forecast_wait_s=0.0,  # refuse (429) when the forecast wait for the first step
+      # exceeds it: every request's deadline at the door (a request's own
+      # max_queue_wait_s, which also expires it while it waits, takes precedence)
       output_estimate="max_tokens",  # expected output tokens: max_tokens | fixed | running_mean
       fixed_output_estimate=256,  # used by output_estimate="fixed"
       output_estimate_window=1000,  # finished requests averaged by "running_mean"

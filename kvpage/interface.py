@@ -43,9 +43,11 @@ class Admission:
   request_id: str = ""
   # Which check answered, as a stable code a gateway can send on (the `reason` is prose):
   # "admitted"; the 400s "empty_prompt", "context_length_exceeded", "exceeds_pool",
-  # "invalid_token_ids", "exceeds_watermark", "duplicate_request_id"; the 503
-  # "kv_pressure"; the 429s "queue_full" and "wait_deadline" (the forecast wait exceeds
-  # the request's own `max_queue_wait_s`).
+  # "invalid_token_ids", "exceeds_watermark", "exceeds_token_budget",
+  # "duplicate_request_id"; the 503s "kv_pressure" and "token_budget"; the 429s
+  # "rate_limited", "concurrency_limit", "queue_full", "wait_deadline" (the forecast wait
+  # exceeds the request's own `max_queue_wait_s`) and "wait_forecast" (it exceeds the
+  # scheduler's `max_forecast_wait_s`).
   cause: str = "admitted"
 
   @property

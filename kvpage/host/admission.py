@@ -14,6 +14,25 @@ request may queue. The answers, checked in this order:
   * **429** the waiting queue is full (`max_waiting`; 0 = unbounded).
   * **200** admitted.
 
+Other lines an operator may hold instead or as well, each off at 0, so the studies can
+set them against the KV line (`experiments/line_study.py`):
+
+  * **429** `rate_limited`: a token bucket of `rate_limit` requests/s holding at most
+    `rate_burst`, the API gateway's rate limit. It stands in front of every other line
+    (a request it refuses is never weighed), and a request that passes it spends a token
+    whatever the lines behind it answer. Its hint is exact: when the next token is due.
+  * **503** `token_budget`: the prompt plus expected output tokens of every admitted,
+    unfinished request, this one's included, would exceed `max_inflight_tokens` (a 400
+    `exceeds_token_budget` if this request's own would).
+  * **429** `concurrency_limit`: `max_concurrent` requests are admitted and unfinished
+    (TGI's `max_concurrent_requests`).
+  * **429** `wait_forecast`: the forecast wait for the first step exceeds
+    `max_forecast_wait_s` (checked by the scheduler once the request is in line,
+    `Scheduler.add_request`): the deadline of a request that names none.
+
+Their order: the 400s, the rate limit, the cache (503), the token budget (503), the
+concurrency limit (429), the queue (429), the forecast wait (429).
+
 That is `admission="watermark"`, kvpage's policy. `admission="queue_only"` is how vLLM
 behaves: no cache-pressure 503 and no watermark 400, only the queue bound answers 429
 (and with `max_waiting=0` nothing does: every request queues, as in vLLM before v0.29),
@@ -71,6 +90,7 @@ class AdmissionControl:
     self._backlog: dict[str, int] = {}  # estimated pages of admitted, non-running requests
     self.num_backlog_pages = 0
     self.wait = WaitEstimator(config, page_pool, self.watermark_pages, self._backlog)
+    self._bucket = (float(config.rate_burst), float("-inf"))  # (tokens, when last filled)
 
   def expected_output_tokens(self, request: Request) -> int:
     """Output tokens `request` is expected to produce in total, per `output_estimate`."""
@@ -120,14 +140,25 @@ class AdmissionControl:
       if bad:
         return Admission(BAD_REQUEST, f"prompt token ids {bad[:5]} are outside the vocabulary "
                          f"[0, {self.vocab_size})", None, rid, "invalid_token_ids")
+    if self.config.rate_limit:
+      refused = self._rate_limit(request, now)
+      if refused is not None:
+        return refused
     estimate = self.estimate_pages(request)
     # The smallest this estimate can ever be: the same for fixed policies, the prompt
     # plus one token once a running mean may shrink it. Above the line even then, the
     # request can never be admitted and a 503 would have the client retry forever.
     floor = (estimate if self.config.output_estimate != "running_mean"
              else pool.pages_for(request.num_prompt_tokens + 1))
+    running_mean = self.config.output_estimate == "running_mean"
+    least_tokens = request.num_prompt_tokens + (
+        1 if running_mean else self.expected_output_tokens(request))
+    if self.config.max_inflight_tokens and least_tokens > self.config.max_inflight_tokens:
+      return Admission(BAD_REQUEST, f"{least_tokens} tokens (prompt + expected output) exceed "
+                       f"the in-flight token budget ({self.config.max_inflight_tokens}) on "
+                       "their own", None, rid, "exceeds_token_budget")
     if self.config.admission == "queue_only":
-      return self._queue_bound(request, now, queues)
+      return self._load_lines(request, now, queues)
     if pool.num_usable_pages - floor < self.watermark_pages:
       return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
                        f"({self.watermark_pages:.1f} of {pool.num_usable_pages} pages kept free) "
@@ -142,6 +173,45 @@ class AdmissionControl:
           f"admitted waiting requests{held} would leave {left} of {pool.num_free_pages} free "
           f"pages, under the watermark of {self.watermark_pages:.1f}",
           self.wait.retry_after_pages(request, estimate, now, queues), rid, "kv_pressure")
+    return self._load_lines(request, now, queues)
+
+  def _rate_limit(self, request: Request, now: float) -> Admission | None:
+    """The token bucket: a 429 when it holds less than one token, else spends one."""
+    rate, burst = self.config.rate_limit, self.config.rate_burst
+    tokens, filled = self._bucket
+    tokens = min(float(burst), tokens + (now - filled) * rate)
+    if tokens < 1.0:
+      self._bucket = (tokens, now)
+      return Admission(TOO_MANY_REQUESTS, f"rate limited: {rate:g} requests/s (burst {burst})",
+                       (1.0 - tokens) / rate, request.request_id, "rate_limited")
+    self._bucket = (tokens - 1.0, now)
+    return None
+
+  def _load_lines(self, request: Request, now: float, queues: Queues) -> Admission:
+    """The lines on what is admitted: the token budget (503), the concurrency limit
+    (429) and the queue bound (429); else 200."""
+    rid = request.request_id
+    admitted = (*queues.running, *queues.swapped, *queues.waiting)
+    budget = self.config.max_inflight_tokens
+    if budget:
+      weight = {r.request_id: float(r.num_prompt_tokens + self.expected_output_tokens(r))
+                for r in admitted}
+      tokens = request.num_prompt_tokens + self.expected_output_tokens(request)
+      inflight = sum(weight.values())
+      # Nothing in flight: nothing would end to make room, so a request whose floor fits
+      # (the 400 check) is let in rather than told to wait forever.
+      if inflight and inflight + tokens > budget:
+        return Admission(
+            SERVICE_UNAVAILABLE, f"token budget: {tokens} tokens for this request + "
+            f"{inflight:.0f} in flight exceed max_inflight_tokens {budget}",
+            self.wait.retry_after_ends(inflight + tokens - budget, now, queues, weight), rid,
+            "token_budget")
+    limit = self.config.max_concurrent
+    if limit and len(admitted) >= limit:
+      return Admission(TOO_MANY_REQUESTS, f"concurrency limit: {len(admitted)} requests "
+                       f"admitted and unfinished (max_concurrent {limit})",
+                       self.wait.retry_after_ends(len(admitted) - limit + 1, now, queues), rid,
+                       "concurrency_limit")
     return self._queue_bound(request, now, queues)
 
   def _queue_bound(self, request: Request, now: float, queues: Queues) -> Admission:

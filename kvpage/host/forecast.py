@@ -89,6 +89,7 @@ class Timeline:
   admitted: dict[str, float]  # reservation -> when it passed the admission check
   scheduled: dict[str, float]  # queued request or reservation -> when it first ran
   departures: list[float]  # the waiting queue's departures, in order
+  ends: list[tuple[float, str]]  # (when, request id) of each request it ends, in order
   seconds_per_step: float  # mean forecast step
 
   def first_room(self, pages: float, taken: Sequence[tuple[float, int]] = ()) -> float | None:
@@ -148,7 +149,7 @@ class _Run:
     self.queue_charge = sum(job.estimate for job in queue)
     self.reserved_charge = sum(job.estimate for job in reserved)
     self.chunk = rules.chunk_size or rules.max_num_batched_tokens
-    self.out = Timeline([0.0], [self.room()], {}, {}, [], 0.0)
+    self.out = Timeline([0.0], [self.room()], {}, {}, [], [], 0.0)
     self.start_s = self.now = start_s  # nothing changes before the steps in flight end
     self.num_steps = 0
 
@@ -291,3 +292,4 @@ class _Run:
     for job in [job for job in self.running if job.samples_left <= 0 and not job.prefill]:
       self.running.remove(job)
       self.free += job.pages
+      self.out.ends.append((self.now, job.request_id))

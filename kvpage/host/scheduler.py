@@ -138,7 +138,7 @@ class Scheduler:
               else self.admission.decide(request, now, self._queues()))
     if answer.admitted:
       self._join(request)
-      if request.max_queue_wait_s is not None:
+      if request.max_queue_wait_s is not None or self.config.max_forecast_wait_s:
         answer = self._check_deadline(request, answer, now)
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
@@ -164,8 +164,12 @@ class Scheduler:
 
   def _check_deadline(self, request: Request, answer: Admission, now: float) -> Admission:
     """`answer`, or a 429 taking `request` back out of the queue it just joined if the
-    forecast has it wait longer than its `max_queue_wait_s` (from its arrival)."""
-    limit = cast(float, request.max_queue_wait_s)
+    forecast has it wait longer than its `max_queue_wait_s` (from its arrival), or, when
+    it names none, than the scheduler's `max_forecast_wait_s` (the forecast-wait line)."""
+    own = request.max_queue_wait_s is not None
+    if not own and not self.admission.wait.priced():
+      return answer  # The server's line refuses on a forecast, and there is none yet.
+    limit = cast(float, request.max_queue_wait_s if own else self.config.max_forecast_wait_s)
     waited = now - cast(float, request.arrival_time)
     eta = self.admission.wait.eta(request, now, self._queues())
     if waited + eta <= limit:
@@ -176,9 +180,10 @@ class Scheduler:
     request.admission_index = -1
     over = waited + eta - limit
     return Admission(TOO_MANY_REQUESTS, f"forecast wait {waited + eta:.2f} s exceeds the "
-                     f"request's max_queue_wait_s {limit:g} s",
+                     + (f"request's max_queue_wait_s {limit:g} s" if own else
+                        f"server's max_forecast_wait_s {limit:g} s"),
                      self.admission.wait.retry_after_deadline(over, now, self._queues()),
-                     request.request_id, "wait_deadline")
+                     request.request_id, "wait_deadline" if own else "wait_forecast")
 
   @staticmethod
   def _duplicate(request: Request) -> Admission:

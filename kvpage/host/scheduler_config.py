@@ -14,9 +14,12 @@ PREEMPTION_MODES = ("recompute", "swap", "abort")
 MAX_DECODE_STEPS = 256  # a launch returns [num_decode_steps, rows] samples
 
 _POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "fixed_output_estimate",
-                  "output_estimate_window", "num_decode_steps", "step_cost_window")
-_NON_NEGATIVE_INTS = ("max_waiting", "chunk_size", "num_host_pages", "retry_jitter_seed")
+                  "output_estimate_window", "num_decode_steps", "step_cost_window",
+                  "rate_burst")
+_NON_NEGATIVE_INTS = ("max_waiting", "chunk_size", "num_host_pages", "retry_jitter_seed",
+                      "max_concurrent", "max_inflight_tokens")
 _POSITIVE_FLOATS = ("default_retry_after_s", "max_retry_after_s", "retry_grace_s")
+_NON_NEGATIVE_FLOATS = ("rate_limit", "max_forecast_wait_s")  # 0 = that line is off
 
 
 def _check_choice(config: ml_collections.ConfigDict, key: str, choices: tuple[str, ...]) -> None:
@@ -34,6 +37,10 @@ def check(config: ml_collections.ConfigDict, max_model_len: int) -> None:
   for key in _POSITIVE_FLOATS:
     if not config[key] > 0:
       raise ValueError(f"scheduler.{key} must be > 0, got {config[key]!r}")
+  for key in _NON_NEGATIVE_FLOATS:
+    value = config[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+      raise ValueError(f"scheduler.{key} must be >= 0 (0 = off), got {value!r}")
   if not 0 <= config.retry_jitter <= 1:
     raise ValueError(f"scheduler.retry_jitter must be a fraction in [0, 1], got "
                      f"{config.retry_jitter!r}")

@@ -14,6 +14,8 @@ holds now, each step priced by the step-cost model fit to the steps it ran
   * **429**: when enough of the waiting queue (and the clients told to come back to it
     before) has been scheduled to leave a place.
   * **ETA**: when the forecast first schedules the waiting (or swapped) request.
+  * **429/503 of a line on admitted requests** (a concurrency limit, an in-flight-token
+    budget): when the forecast has ended enough of them to make room.
 
 Rejected requests stand in line. A 503 enters the request in a ledger under its id,
 ranked by its first rejection, due at its hint and kept until it comes back (admitted,
@@ -98,6 +100,11 @@ class WaitEstimator:
     """A step the executor ran: its tokens, the context it attended to, its time."""
     self.costs.observe(num_tokens, num_context_tokens, seconds, num_sequences=num_sequences)
 
+  def priced(self) -> bool:
+    """Whether the forecast can run: both kinds of step have been priced."""
+    return (self.costs.coefficients(False) is not None
+            and self.costs.coefficients(True) is not None)
+
   # The line.
   def reserved_ahead(self, request_id: str, now: float) -> int:
     """Pages held for requests ranked ahead of `request_id` (all, if it holds none);
@@ -164,6 +171,22 @@ class WaitEstimator:
     if held is not None:
       held.due, held.expires = now + hint, now + hint + self.grace_s
     return hint
+
+  def retry_after_ends(self, needed: float, now: float, queues: forecast.Queues,
+                       weight: Mapping[str, float] | None = None) -> float:
+    """The hint of a line on what admitted requests hold (the concurrency limit, the
+    in-flight-token budget): when the forecast has ended enough of them that `needed`
+    is freed, each end freeing its `weight` (by request id; 1 each by default)."""
+    timeline, made, _ = self._timeline(queues, now)
+    seconds = None
+    if timeline is not None:
+      seconds, freed = self.max_s, 0.0
+      for when, rid in timeline.ends:
+        freed += 1.0 if weight is None else weight.get(rid, 0.0)
+        if freed >= needed:
+          seconds = max(0.0, when - (now - made))
+          break
+    return self._hint(seconds, timeline)
 
   def retry_after_deadline(self, seconds_over: float, now: float,
                            queues: forecast.Queues) -> float:

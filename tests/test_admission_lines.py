@@ -1,0 +1,138 @@
+"""The admission lines besides the KV watermark, on a clock the test sets and steps of a
+known time: the token bucket (exact hints, spent even by requests a later line
+refuses, never by a 400), the concurrency limit and the in-flight-token budget (hints
+from the forecast end that makes room; a request over the budget on its own is a 400),
+the forecast-wait line (a deadline at the door for requests that name none), each off
+at 0, and the config check's refusals."""
+
+import pytest
+
+from configs import scheduler as scheduler_lib
+from kvpage.host import scheduler_config
+from tests.test_retry_estimate import STEP_S, Clock, req, run_steps
+
+
+def scheduler(**knobs):
+  from kvpage.host.scheduler import Scheduler
+  config = scheduler_lib.get_scheduler_config()
+  config.update({"watermark": 0.0, **knobs})  # 32 usable pages of 4 tokens
+  clock = Clock()
+  return Scheduler(config, num_pages=33, page_size=4, max_model_len=128, clock=clock), clock
+
+
+def two_running(**knobs):
+  """"a" (40 + 12 tokens) and "z" (4 + 16) after nine steps: "a" ends 3 steps ahead,
+  "z" 7 (as in test_retry_estimate)."""
+  sched, clock = scheduler(**knobs)
+  assert sched.add_request(req("a", 40, 12)).admitted
+  assert sched.add_request(req("z", 4, 16)).admitted
+  run_steps(sched, clock, 9)
+  return sched, clock
+
+
+def test_the_token_bucket_refuses_past_its_burst_with_an_exact_hint():
+  sched, clock = scheduler(rate_limit=2.0, rate_burst=2)
+  assert sched.add_request(req("a", 4, 4)).admitted
+  assert sched.add_request(req("b", 4, 4)).admitted
+  answer = sched.add_request(req("c", 4, 4))
+  assert (answer.status, answer.cause) == (429, "rate_limited")
+  assert answer.retry_after == pytest.approx(0.5)  # one token at 2/s
+  clock.now = 0.25  # half a token: still short, and the hint counts down
+  answer = sched.add_request(req("c", 4, 4))
+  assert answer.cause == "rate_limited" and answer.retry_after == pytest.approx(0.25)
+  clock.now = 0.5
+  assert sched.add_request(req("c", 4, 4)).admitted
+
+
+def test_a_400_spends_no_token_but_a_refusal_behind_the_bucket_does():
+  sched, clock = scheduler(rate_limit=1.0, rate_burst=1, max_waiting=1)
+  assert sched.add_request(req("bad", 0, 4)).status == 400  # empty prompt
+  assert sched.add_request(req("a", 4, 4)).admitted  # the token was still there
+  clock.now = 1.0
+  answer = sched.add_request(req("b", 4, 4))  # passes the bucket, the queue is full
+  assert (answer.status, answer.cause) == (429, "queue_full")
+  assert sched.add_request(req("c", 4, 4)).cause == "rate_limited"
+
+
+def test_the_concurrency_limit_counts_admitted_unfinished_requests():
+  sched, clock = two_running(max_concurrent=2)
+  answer = sched.add_request(req("b", 4, 4))
+  assert (answer.status, answer.cause) == (429, "concurrency_limit")
+  # A place opens when "a" ends, 3 steps ahead; the hint is one step late.
+  assert answer.retry_after == pytest.approx(3 * STEP_S + STEP_S)
+  run_steps(sched, clock, 4)
+  assert "a" not in sched.requests
+  assert sched.add_request(req("b", 4, 4)).admitted
+
+
+def test_the_token_budget_weighs_prompt_and_expected_output():
+  # In flight: a 40 + 12 = 52, z 4 + 16 = 20; b brings 36 + 8 = 44: 116 > 100.
+  sched, _ = two_running(max_inflight_tokens=100)
+  answer = sched.add_request(req("b", 36, 8))
+  assert (answer.status, answer.cause) == (503, "token_budget")
+  assert answer.retry_after == pytest.approx(3 * STEP_S + STEP_S)  # "a" ends: 52 freed
+  assert sched.add_request(req("c", 20, 8)).admitted  # 100 exactly fits
+
+
+def test_the_token_budget_hint_waits_for_enough_ends():
+  # The budget tightened to 60 under load: 116 - 60 = 56 tokens must go; "a" frees 52,
+  # not enough; "z" (20 more) ends 7 steps ahead.
+  sched, _ = two_running()
+  sched.config.max_inflight_tokens = 60
+  answer = sched.add_request(req("b", 36, 8))
+  assert answer.cause == "token_budget"
+  assert answer.retry_after == pytest.approx(7 * STEP_S + STEP_S)
+
+
+def test_a_request_over_the_token_budget_on_its_own_is_a_400():
+  sched, _ = scheduler(max_inflight_tokens=30)
+  answer = sched.add_request(req("big", 24, 8))
+  assert (answer.status, answer.cause) == (400, "exceeds_token_budget")
+  # With a running mean the estimate may shrink to the prompt + 1: only that floor
+  # counts for the 400; before anything has finished the estimate is max_tokens (32 >
+  # 30), and with nothing in flight to end, the request is let in, not told to wait.
+  sched, _ = scheduler(max_inflight_tokens=30, output_estimate="running_mean")
+  assert sched.add_request(req("big", 24, 8)).admitted
+  answer = sched.add_request(req("next", 4, 4))
+  assert (answer.status, answer.cause) == (503, "token_budget")
+
+
+def test_the_forecast_wait_line_refuses_at_the_door_and_a_requests_own_deadline_wins():
+  # Two sequences at most: a third waits until "a" ends, 3 steps (0.3 s) ahead.
+  sched, _ = two_running(max_num_seqs=2)
+  sched.config.max_forecast_wait_s = 0.2
+  answer = sched.add_request(req("b", 4, 4))
+  assert (answer.status, answer.cause) == (429, "wait_forecast")
+  assert "b" not in sched.requests and not sched.waiting
+  own = req("c", 4, 4)
+  own.max_queue_wait_s = 1.0  # its own deadline, longer than the server's
+  assert sched.add_request(own).admitted
+  # "d" waits behind "c" too: until "z" ends, 7 steps ahead (0.73 s with the forecast's
+  # own step prices); a 1 s line lets it in.
+  answer = sched.add_request(req("d", 4, 4))
+  assert answer.cause == "wait_forecast" and "0.73 s" in answer.reason
+  sched.config.max_forecast_wait_s = 1.0
+  assert sched.add_request(req("d", 4, 4)).admitted
+
+
+def test_the_forecast_wait_line_waits_for_a_forecast():
+  # Before any step was priced there is no forecast: the line refuses nobody.
+  sched, _ = scheduler(max_num_seqs=1, max_forecast_wait_s=0.01)
+  for i in range(3):
+    assert sched.add_request(req(f"r{i}", 4, 4)).admitted
+
+
+def test_every_line_is_off_at_zero():
+  sched, _ = two_running()
+  for i in range(5):
+    assert sched.add_request(req(f"b{i}", 4, 4)).admitted
+
+
+@pytest.mark.parametrize("knob, value", [("rate_limit", -1.0), ("max_forecast_wait_s", -0.1),
+                                         ("rate_burst", 0), ("max_concurrent", -1),
+                                         ("max_inflight_tokens", -5)])
+def test_the_config_check_names_a_bad_line_knob(knob, value):
+  config = scheduler_lib.get_scheduler_config()
+  config[knob] = value
+  with pytest.raises(ValueError, match=f"scheduler.{knob}"):
+    scheduler_config.check(config, max_model_len=128)
