@@ -36,9 +36,6 @@ from absl import flags
 from experiments import cli, serve_bench, sim_setups, sweep
 from experiments.sim_setups import SimSetup
 
-_SCALE = flags.DEFINE_enum("scale", "full", ["smoke", "full"], "How big: smoke = seconds.")
-_SIM_SETUP = flags.DEFINE_enum("sim_setup", sim_setups.DEFAULT, list(sim_setups.SETUPS),
-                               "The simulated deployment (experiments/sim_setups.py).")
 flags.FLAGS.set_default("workdir", "workdir/admission_study")
 
 WATERMARKS = (0.0, 0.05, 0.10, 0.15, 0.20, 0.30)
@@ -223,7 +220,8 @@ def main(argv: list[str]) -> None:
   from experiments import plots  # fails now, not after the runs, without matplotlib
 
   with cli.workdir(flags.FLAGS.workdir) as directory:
-    record = run(SCALES[_SCALE.value], directory, setup=sim_setups.SETUPS[_SIM_SETUP.value])
+    record = run(SCALES[sim_setups.SCALE.value], directory,
+                 setup=sim_setups.SETUPS[sim_setups.SETUP.value])
     plots.save(curves(record), directory / "curves.png")
     record.pop("rows")
     cli.write_files(directory, {"study.json": json.dumps(record, indent=2)})

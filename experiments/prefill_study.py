@@ -45,10 +45,7 @@ from configs import tiny
 from experiments import cli, sim_setups, sweep
 from experiments.sim_setups import SimSetup
 
-_SCALE = flags.DEFINE_enum("scale", "full", ["smoke", "full"], "How big: smoke = a minute.")
 _PARTS = flags.DEFINE_list("parts", ["sim", "tiny", "quality"], "Which parts to run.")
-_SIM_SETUP = flags.DEFINE_enum("sim_setup", sim_setups.DEFAULT, list(sim_setups.SETUPS),
-                               "The simulated deployment (experiments/sim_setups.py).")
 flags.FLAGS.set_default("workdir", "workdir/prefill_study")
 
 
@@ -362,9 +359,9 @@ def main(argv: list[str]) -> None:
 
   with cli.workdir(flags.FLAGS.workdir) as directory:
     cli.enable_compilation_cache(flags.FLAGS.compilation_cache)
-    record = run(SCALES[_SCALE.value], directory, _PARTS.value,
-                 setup=sim_setups.SETUPS[_SIM_SETUP.value])
-    titles = dict(sim=f"chunked prefill study: sim, {_SIM_SETUP.value}", tiny="chunked "
+    record = run(SCALES[sim_setups.SCALE.value], directory, _PARTS.value,
+                 setup=sim_setups.SETUPS[sim_setups.SETUP.value])
+    titles = dict(sim=f"chunked prefill study: sim, {sim_setups.SETUP.value}", tiny="chunked "
                   "prefill study: tiny")
     for part in ("sim", "tiny"):
       if part in record:

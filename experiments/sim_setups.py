@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 import ml_collections
+from absl import flags
 
 from configs import llama_13b, yi_34b
 
@@ -44,3 +45,10 @@ SETUPS = {
                                      goodput_tpot_slo_s=0.15),
 }
 DEFAULT = "llama_13b_a100"
+
+# The studies' two shared flags, defined once here so that any of them may be imported
+# beside another (a test, a notebook).
+SCALE = flags.DEFINE_enum("scale", "full", ["smoke", "full"],
+                          "The study's size: smoke = about a minute (CI); full = its figures.")
+SETUP = flags.DEFINE_enum("sim_setup", DEFAULT, list(SETUPS),
+                          "The simulated deployment (experiments/sim_setups.py).")

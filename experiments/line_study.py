@@ -1,0 +1,432 @@
+r"""The line study: when concurrency rises, which admission line do you hold first?
+
+  python -m experiments.line_study                          # Llama-2-13B on an A100
+  python -m experiments.line_study --scale=smoke            # a minute, for CI
+  python -m experiments.line_study --sim_setup=yi_34b_a100_pcie_tp2 \
+      --workdir=workdir/line_study_yi34b                     # calibrated Yi-34B TP 2
+
+The same traffic runs through kvpage's engine (simulated, `experiments.sim_setups`)
+under each admission line an operator could hold, each swept over its own knob:
+
+  * `none`: no line (vLLM before v0.29: every request queues);
+  * `rate`: a requests/s token bucket, an API gateway's rate limit (burst: one second);
+  * `concurrency`: admitted, unfinished requests (TGI's `max_concurrent_requests`);
+  * `queue`: the waiting-queue bound alone (vLLM's `--max-num-queued-reqs`);
+  * `tokens`: prompt + expected output tokens in flight;
+  * `kv`: kvpage's KV watermark (free pages kept after the request's estimate);
+  * `wait`: the forecast wait for the first step, against the TTFT SLO;
+  * `kv+wait`: both, since memory and compute saturate at different loads.
+
+Traffic: a long/short mix (`mix:0.1:8000:50`: one prompt in ten is 8,000 tokens) and
+a ShareGPT-like lognormal, steady (Poisson) and bursty (gamma, CV 3), at 1x, 2x, 5x
+and 10x each mix's sustainable rate (requests/s finished with everything offered at
+once and no line). Clients ask for `max_tokens` 1,024 and use 32-512. The model's
+context is raised to 16,384 tokens so that the long prompts fit (the simulator prices
+steps by length and runs no weights; a premise in `study.json`).
+
+The thresholds are premises, each chosen by a rule from a measurement, never a
+constant: from an unloaded run of each mix (0.05x its sustainable rate), the TTFT SLO
+is 3x that run's TTFT p99 and the TPOT SLO 3x its median TPOT. Every knob's grid is
+set once per setup, in absolute units, from the ShareGPT-like mix's sustainable rate
+and the KV pool, so the same values meet every mix: how far a line's best value moves
+between mixes is its robustness (a line that must be retuned for each mix is a worse
+line).
+
+Reported per cell (mix, arrivals, load, line at its best setting over its knob, by
+mean goodput over seeds): goodput under both SLOs (rejected requests count against it,
+as in arXiv 2410.14257), preemptions and recomputed prefill tokens, running requests
+that failed, TTFT and TPOT p99, rejections by status. `claims` states which line wins
+where and by how much; a claim the grid cannot decide says so (`undecided: why`).
+Everything goes to `--workdir`, resumably: the sweep's rows, `study.json`, and the
+figures `lines_at_5x.png` and `goodput_by_load.png`.
+"""
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from absl import flags
+
+from experiments import cli, serve_bench, sim_setups, sweep
+from experiments.sim_setups import SimSetup
+
+flags.FLAGS.set_default("workdir", "workdir/line_study")
+
+MIXES = {"long/short": "mix:0.1:8000:50", "sharegpt": "lognormal:512:3000"}
+ARRIVALS = {"steady": "poisson", "bursty": "gamma:3"}
+OUTPUT = dict(output_len="uniform:32:512", max_tokens=1024)
+CONTEXT = 16384  # the study's model context: the long prompts must fit
+LINES = ("none", "rate", "concurrency", "queue", "tokens", "kv", "wait", "kv+wait")
+UNLOADED = 0.05  # the unloaded run's load, x the sustainable rate
+SLO_FACTOR = 3.0  # each SLO is this many times the unloaded run's figure
+FIGURES = ("goodput_requests_per_s", "goodput_fraction", "num_preemptions",
+           "recomputed_tokens", "num_aborted", "ttft_p99_s", "tpot_p99_s", "rejected_400",
+           "rejected_429", "rejected_503", "num_finished")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scale:
+  """The study's size; `SCALES` holds the two the CLI offers."""
+
+  num_requests: int
+  seeds: int
+  mixes: tuple[str, ...]
+  arrivals: tuple[str, ...]
+  loads: tuple[float, ...]
+  knobs: int  # values per line's knob (the grid's middle ones when fewer than all)
+
+
+SCALES = {
+    "full": Scale(num_requests=600, seeds=3, mixes=tuple(MIXES), arrivals=tuple(ARRIVALS),
+                  loads=(1, 2, 5, 10), knobs=5),
+    "smoke": Scale(num_requests=150, seeds=1, mixes=tuple(MIXES), arrivals=("steady",),
+                   loads=(1, 5), knobs=2),
+}
+# Every line's keys, so that each cell sets them all and its line can be read back.
+LINE_KEYS = {"scheduler.admission": "queue_only", "scheduler.max_waiting": 0,
+             "scheduler.watermark": 0.0, "scheduler.rate_limit": 0.0,
+             "scheduler.rate_burst": 1, "scheduler.max_concurrent": 0,
+             "scheduler.max_inflight_tokens": 0, "scheduler.max_forecast_wait_s": 0.0}
+
+
+def base(scale: Scale, setup: SimSetup) -> Any:
+  """The study's base run: the setup's config, simulated, the context raised, no line."""
+  config = setup.get_config()
+  if setup.hardware is not None:
+    config.hardware = setup.hardware
+  config.model.max_seq_len = max(config.model.max_seq_len, CONTEXT)
+  config.bench.update(dict(executor="sim", num_requests=scale.num_requests, **OUTPUT))
+  for key, value in LINE_KEYS.items():
+    config.scheduler[key.split(".")[1]] = value
+  return config
+
+
+def _run(config: Any) -> dict[str, Any]:
+  summary, _ = serve_bench.run_bench(config, show_progress=False)
+  return summary
+
+
+def measure(scale: Scale, setup: SimSetup) -> dict[str, Any]:
+  """Per mix: its sustainable rate (everything at once, no line) and its SLOs (from an
+  unloaded run); and the KV pool's tokens."""
+  measured: dict[str, Any] = {}
+  for mix in scale.mixes:
+    config = base(scale, setup)
+    config.bench.prompt_len = MIXES[mix]
+    config.bench.arrival_rate = "inf"
+    saturated = _run(config)
+    rate = saturated["num_finished"] / saturated["duration_s"]
+    config.bench.arrival_rate = f"{UNLOADED * rate:.4g}"
+    config.bench.num_requests = max(40, scale.num_requests // 5)
+    unloaded = _run(config)
+    measured[mix] = dict(
+        sustainable_requests_per_s=rate, unloaded_rate=UNLOADED * rate,
+        unloaded_ttft_p99_s=unloaded["ttft_s"]["p99"],
+        unloaded_tpot_p50_s=unloaded["tpot_s"]["p50"],
+        slo_ttft_s=SLO_FACTOR * unloaded["ttft_s"]["p99"],
+        slo_tpot_s=SLO_FACTOR * unloaded["tpot_s"]["p50"],
+        pool_tokens=saturated["pages_total"] * saturated["premises"]["page_size"])
+  return measured
+
+
+def knob_grid(scale: Scale, measured: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+  """Each line's settings (config key -> value), in absolute units shared by every mix:
+  rates around the ShareGPT-like mix's sustainable rate, token budgets around the KV
+  pool, waits around the TTFT SLO of the strictest mix."""
+  reference = measured.get("sharegpt") or next(iter(measured.values()))
+  rate, pool = reference["sustainable_requests_per_s"], reference["pool_tokens"]
+  slo_ttft = min(m["slo_ttft_s"] for m in measured.values())
+
+  def pick(values: Sequence[Any]) -> list[Any]:
+    if scale.knobs >= len(values):
+      return list(values)
+    start = (len(values) - scale.knobs) // 2
+    return list(values[start:start + scale.knobs])
+
+  rates = [f * rate for f in (0.5, 0.75, 1.0, 1.5, 2.0)]
+  return {
+      "none": [{}],
+      "rate": [{"scheduler.rate_limit": round(r, 4),
+                "scheduler.rate_burst": max(1, math.ceil(r))} for r in pick(rates)],
+      "concurrency": [{"scheduler.max_concurrent": n} for n in pick((16, 32, 64, 128, 256))],
+      "queue": [{"scheduler.max_waiting": n} for n in pick((2, 8, 32, 128, 512))],
+      "tokens": [{"scheduler.max_inflight_tokens": int(f * pool)}
+                 for f in pick((0.5, 0.75, 1.0, 1.5, 2.0))],
+      "kv": [{"scheduler.admission": "watermark", "scheduler.watermark": w}
+             for w in pick((0.0, 0.05, 0.15, 0.3, 0.5))],
+      "wait": [{"scheduler.max_forecast_wait_s": round(f * slo_ttft, 4)}
+               for f in pick((0.1, 0.25, 0.5, 1.0, 2.0))],
+      "kv+wait": [{"scheduler.admission": "watermark", "scheduler.watermark": 0.15,
+                   "scheduler.max_forecast_wait_s": round(f * slo_ttft, 4)}
+                  for f in pick((0.1, 0.25, 0.5, 1.0, 2.0))],
+  }
+
+
+def line_of(cell: dict[str, Any]) -> tuple[str, Any]:
+  """The line a cell holds and its knob's value, read back from the cell's keys."""
+  wait = cell["scheduler.max_forecast_wait_s"]
+  if cell["scheduler.admission"] == "watermark":
+    return ("kv+wait", wait) if wait else ("kv", cell["scheduler.watermark"])
+  for line, key in (("rate", "scheduler.rate_limit"), ("concurrency", "scheduler.max_concurrent"),
+                    ("tokens", "scheduler.max_inflight_tokens"),
+                    ("wait", "scheduler.max_forecast_wait_s"),
+                    ("queue", "scheduler.max_waiting")):
+    if cell[key]:
+      return line, cell[key]
+  return "none", None
+
+
+def cells(scale: Scale, setup: SimSetup, measured: dict[str, Any]) -> tuple[Any, list]:
+  config = base(scale, setup)
+  grid = []
+  for mix in scale.mixes:
+    rate, slos = measured[mix]["sustainable_requests_per_s"], measured[mix]
+    for arrival in scale.arrivals:
+      for load in scale.loads:
+        for settings in (s for line in LINES for s in knob_grid(scale, measured)[line]):
+          grid.append({**LINE_KEYS, **settings, "prompt_len": MIXES[mix],
+                       "arrival_process": ARRIVALS[arrival],
+                       "arrival_rate": f"{load * rate:.4g}",
+                       "slo_ttft": round(slos["slo_ttft_s"], 4),
+                       "slo_tpot": round(slos["slo_tpot_s"], 4)})
+  return config, sweep.plan_cells(config, grid, range(scale.seeds))
+
+
+def analyze(rows: Sequence[dict], scale: Scale, measured: dict[str, Any]) -> dict[str, Any]:
+  """Per (mix, arrivals, load, line): every knob value's means over seeds, the best
+  value (most goodput) and its figures, and each seed's goodput at it."""
+  mixes = {spec: name for name, spec in MIXES.items()}
+  arrivals = {spec: name for name, spec in ARRIVALS.items()}
+  groups: dict[tuple, list[dict]] = {}
+  for row in rows:
+    cell = row["cell"]
+    mix = mixes[cell["prompt_len"]]
+    load = round(float(cell["arrival_rate"]) / measured[mix]["sustainable_requests_per_s"], 2)
+    line, knob = line_of(cell)
+    groups.setdefault((mix, arrivals[cell["arrival_process"]], f"{load:g}x", line, knob),
+                      []).append(row)
+  table: dict[str, Any] = {}
+  for (mix, arrival, load, line, knob), group in groups.items():
+    means = {m: float(np.mean([r["metrics"].get(m) or 0.0 for r in group])) for m in FIGURES}
+    means["goodput_by_seed"] = [r["metrics"]["goodput_requests_per_s"] for r in group]
+    entry = table.setdefault(mix, {}).setdefault(arrival, {}).setdefault(load, {}).setdefault(
+        line, {"by_knob": {}})
+    entry["by_knob"][str(knob)] = means
+  for by_arrival in table.values():
+    for by_load in by_arrival.values():
+      for by_line in by_load.values():
+        for entry in by_line.values():
+          knobs = list(entry["by_knob"])
+          best = max(knobs, key=lambda k: entry["by_knob"][k]["goodput_requests_per_s"])
+          entry["best_knob"] = best
+          entry["best"] = entry["by_knob"][best]
+          entry["best_at_edge"] = len(knobs) > 2 and best in (knobs[0], knobs[-1])
+  return table
+
+
+def _verdict(holds: bool | None, why: str = "") -> str:
+  return f"undecided: {why}" if holds is None else ("holds" if holds else "fails")
+
+
+def claim_line_beats_none(table: dict[str, Any], mix: str, arrival: str,
+                          load: str) -> dict[str, Any]:
+  """At a load, the best line serves more goodput than no line at all."""
+  by_line = table[mix][arrival][load]
+  none = by_line["none"]["best"]["goodput_requests_per_s"]
+  winner = max((line for line in by_line if line != "none"),
+               key=lambda line: by_line[line]["best"]["goodput_requests_per_s"])
+  best = by_line[winner]["best"]["goodput_requests_per_s"]
+  holds = None if best == none == 0 else best > none
+  return dict(claim=f"{mix}, {arrival}, {load}: holding a line serves more goodput than no "
+                    "line", verdict=_verdict(holds, "no line and no policy serve anything"),
+              evidence=f"best line {winner} ({by_line[winner]['best_knob']}) "
+                       f"{best:.3f} req/s vs none {none:.3f} req/s")
+
+
+def claim_kv_wins(table: dict[str, Any], mix: str, arrival: str, load: str) -> dict[str, Any]:
+  """The KV line (alone or with the wait line) is the best line, within 5%."""
+  by_line = table[mix][arrival][load]
+  goodput = {line: entry["best"]["goodput_requests_per_s"] for line, entry in by_line.items()}
+  top = max(goodput.values())
+  kv = max(goodput.get("kv", 0.0), goodput.get("kv+wait", 0.0))
+  holds = None if top == 0 else kv >= 0.95 * top
+  ranked = sorted(goodput, key=goodput.get, reverse=True)  # type: ignore[arg-type]
+  return dict(claim=f"{mix}, {arrival}, {load}: the KV line (alone or with the wait line) "
+                    "serves within 5% of the best line's goodput",
+              verdict=_verdict(holds, "no line serves anything within the SLOs"),
+              evidence=", ".join(f"{line} {goodput[line]:.3f}" for line in ranked) + " req/s")
+
+
+def claim_combination_needed(table: dict[str, Any], mix: str, arrival: str,
+                             load: str) -> dict[str, Any]:
+  """KV + wait serves more goodput than either line alone."""
+  by_line = table[mix][arrival][load]
+  both, kv, wait = (by_line[line]["best"]["goodput_requests_per_s"]
+                    for line in ("kv+wait", "kv", "wait"))
+  at_edge = [line for line in ("kv+wait", "kv", "wait") if by_line[line]["best_at_edge"]]
+  holds = None if at_edge else both > max(kv, wait)
+  return dict(claim=f"{mix}, {arrival}, {load}: no single line suffices: KV + wait serves "
+                    "more goodput than the KV line or the wait line alone",
+              verdict=_verdict(holds, f"the optimum of {', '.join(at_edge)} is at the edge of "
+                                      "its sweep"),
+              evidence=f"kv+wait {both:.3f}, kv {kv:.3f}, wait {wait:.3f} req/s")
+
+
+def robustness(table: dict[str, Any], arrival: str, load: str) -> dict[str, Any]:
+  """Per line, its best knob value in each mix at `load`: a line whose best value stays
+  put across mixes needs no retuning when the traffic changes."""
+  out: dict[str, Any] = {}
+  mixes = list(table)
+  for line in LINES[1:]:
+    best = {mix: table[mix][arrival][load][line]["best_knob"] for mix in mixes
+            if line in table[mix][arrival].get(load, {})}
+    loss = {}  # goodput lost in each mix by using the other mix's best value
+    for mix in best:
+      entry = table[mix][arrival][load][line]
+      others = [best[m] for m in best if m != mix]
+      if others:
+        got = entry["by_knob"][others[0]]["goodput_requests_per_s"]
+        top = entry["best"]["goodput_requests_per_s"]
+        loss[mix] = 0.0 if top == 0 else 1.0 - got / top
+    out[line] = dict(best_knob=best, goodput_lost_retuned=loss)
+  return out
+
+
+def claims(table: dict[str, Any], scale: Scale) -> list[dict[str, Any]]:
+  stated = []
+  for mix in table:
+    for arrival in table[mix]:
+      for load in table[mix][arrival]:
+        if float(load.rstrip("x")) < 2:
+          continue  # the claims are about overload
+        stated.append(claim_line_beats_none(table, mix, arrival, load))
+        stated.append(claim_kv_wins(table, mix, arrival, load))
+        stated.append(claim_combination_needed(table, mix, arrival, load))
+  return stated
+
+
+def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
+        setup: SimSetup = sim_setups.SETUPS[sim_setups.DEFAULT]) -> dict[str, Any]:
+  """The study into `directory` (resumable) on `setup`; the record for study.json."""
+  measured = measure(scale, setup)
+  config, grid = cells(scale, setup, measured)
+  rows = sweep.run_sweep(config, grid, directory / "runs", show_progress=show_progress)
+  table = analyze(rows, scale, measured)
+  robust = {arrival: {load: robustness(table, arrival, load)
+                      for load in next(iter(table.values()))[arrival]}
+            for arrival in next(iter(table.values()))}
+  return dict(scale=dataclasses.asdict(scale), setup=setup.name, context=CONTEXT,
+              rules=dict(slo=f"each mix's SLOs: {SLO_FACTOR:g}x its unloaded run's TTFT p99 "
+                             f"and median TPOT (unloaded: {UNLOADED:g}x its sustainable rate)",
+                         sustainable="requests/s finished with everything offered at once, "
+                                     "no line", knobs=knob_grid(scale, measured)),
+              measured=measured, table=table, robustness=robust,
+              claims=claims(table, scale), premises=rows[0]["premises"], rows=rows)
+
+
+def figures(record: dict[str, Any]):
+  """The two figures: every line at its best setting at 5x (or the highest load) for
+  each mix, SLOs drawn; and each line's best goodput against the load."""
+  import matplotlib.pyplot as plt
+
+  from experiments import plots  # noqa: F401  (the style)
+
+  table, measured = record["table"], record["measured"]
+  mixes = list(table)
+  arrival = "steady" if "steady" in table[mixes[0]] else next(iter(table[mixes[0]]))
+  loads = sorted(table[mixes[0]][arrival], key=lambda load: float(load.rstrip("x")))
+  load = "5x" if "5x" in loads else loads[-1]
+  colours = {line: plt.get_cmap("tab10")(i) for i, line in enumerate(LINES)}
+  caption = (f"{record['setup']}, simulated; context {record['context']:,}; "
+             f"{record['scale']['num_requests']} requests, {record['scale']['seeds']} seed(s); "
+             f"{record['rules']['slo']}")
+  panels = (("goodput_requests_per_s", "goodput (req/s)", None),
+            ("num_preemptions", "preemptions of running requests", None),
+            ("ttft_p99_s", "TTFT p99 (s)", "slo_ttft_s"),
+            ("tpot_p99_s", "TPOT p99 (ms)", "slo_tpot_s"))
+  bars, axes = plt.subplots(len(mixes), len(panels), figsize=(4.2 * len(panels),
+                                                              3.2 * len(mixes)),
+                            squeeze=False, constrained_layout=True)
+  for row, mix in enumerate(mixes):
+    by_line = table[mix][arrival][load]
+    lines = [line for line in LINES if line in by_line]
+    for column, (metric, label, slo) in enumerate(panels):
+      ax = axes[row, column]
+      scale = 1e3 if metric == "tpot_p99_s" else 1.0
+      values = [scale * by_line[line]["best"][metric] for line in lines]
+      ax.bar(range(len(lines)), values, color=[colours[line] for line in lines])
+      ax.set_xticks(range(len(lines)), lines, rotation=45, ha="right", fontsize=7)
+      ax.set_ylabel(label, fontsize=8)
+      ax.set_title(f"{mix}, {arrival}, {load}", fontsize=8)
+      if slo:
+        ax.axhline(scale * measured[mix][slo], color="k", ls="--", lw=1)
+        ax.text(len(lines) - 0.5, scale * measured[mix][slo], " SLO", fontsize=7,
+                va="bottom", ha="right")
+      ax.grid(axis="y", alpha=0.3)
+  bars.suptitle(f"each line at its best setting (most goodput), {load} load\n{caption}",
+                fontsize=8)
+  styles = {name: style for name, style in zip(ARRIVALS, ("-", ":"), strict=True)}
+  curves, axes = plt.subplots(1, len(mixes), figsize=(5.5 * len(mixes), 4.0), squeeze=False,
+                              constrained_layout=True)
+  for column, mix in enumerate(mixes):
+    ax = axes[0, column]
+    for arrival_name, by_load in table[mix].items():
+      xs = sorted(by_load, key=lambda load: float(load.rstrip("x")))
+      for line in LINES:
+        ys = [by_load[x][line]["best"]["goodput_requests_per_s"] for x in xs if line in by_load[x]]
+        ax.plot([float(x.rstrip("x")) for x in xs], ys, styles[arrival_name], marker="o", ms=3,
+                color=colours[line], label=f"{line} ({arrival_name})")
+    ax.set_xlabel("load (x the mix's sustainable rate)")
+    ax.set_ylabel("goodput at the line's best setting (req/s)")
+    ax.set_title(mix, fontsize=9)
+    ax.grid(alpha=0.3)
+  axes[0, -1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+  curves.suptitle(f"goodput against load, each line at its best setting\n{caption}",
+                  fontsize=8)
+  return bars, curves
+
+
+def format_report(record: dict[str, Any]) -> str:
+  lines = [f"line study on {record['setup']}: {record['rules']['slo']}"]
+  for mix, m in record["measured"].items():
+    lines.append(f"  {mix}: sustainable {m['sustainable_requests_per_s']:.2f} req/s, SLOs TTFT "
+                 f"{m['slo_ttft_s']:.2f} s, TPOT {1e3 * m['slo_tpot_s']:.0f} ms")
+  for mix, by_arrival in record["table"].items():
+    for arrival, by_load in by_arrival.items():
+      for load, by_line in by_load.items():
+        lines.append(f"  {mix}, {arrival}, {load}:")
+        for line, entry in by_line.items():
+          f = entry["best"]
+          lines.append(
+              f"    {line:<12} best {entry['best_knob']:<10} good "
+              f"{f['goodput_requests_per_s']:.3f} req/s ({f['goodput_fraction']:.0%}), "
+              f"preempted {f['num_preemptions']:.0f}, failed {f['num_aborted']:.0f}, 429 "
+              f"{f['rejected_429']:.0f}, 503 {f['rejected_503']:.0f}, TTFT p99 "
+              f"{f['ttft_p99_s']:.2f} s, TPOT p99 {1e3 * f['tpot_p99_s']:.0f} ms")
+  for claim in record["claims"]:
+    lines.append(f"  [{claim['verdict']}] {claim['claim']}: {claim['evidence']}")
+  return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+  del argv  # Unused.
+  from experiments import plots  # fails now, not after the runs, without matplotlib
+
+  with cli.workdir(flags.FLAGS.workdir) as directory:
+    record = run(SCALES[sim_setups.SCALE.value], directory,
+                 setup=sim_setups.SETUPS[sim_setups.SETUP.value])
+    bars, curves = figures(record)
+    plots.save(bars, directory / "lines_at_5x.png")
+    plots.save(curves, directory / "goodput_by_load.png")
+    record.pop("rows")
+    cli.write_files(directory, {"study.json": json.dumps(record, indent=2)})
+  print(format_report(record))
+  print(f"\nwrote {directory}/study.json, lines_at_5x.png and goodput_by_load.png")
+
+
+if __name__ == "__main__":
+  cli.run(main)

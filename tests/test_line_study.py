@@ -1,0 +1,88 @@
+"""The line study: each claim can hold, fail and be undecided on a table made for it; a
+cell's line reads back from its keys; and a small run on the simulator carries its
+thresholds as premises, a verdict per claim and both figures."""
+
+import dataclasses
+
+import pytest
+
+from experiments import line_study
+
+
+def entry(goodput: float, knob: str = "1", at_edge: bool = False) -> dict:
+  return {"best_knob": knob, "best": {"goodput_requests_per_s": goodput},
+          "best_at_edge": at_edge, "by_knob": {knob: {"goodput_requests_per_s": goodput}}}
+
+
+def table(**goodputs: float) -> dict:
+  lines = {line.replace("_", "+"): entry(value) for line, value in goodputs.items()}
+  return {"mix": {"steady": {"5x": lines}}}
+
+
+ALL = dict(none=0.1, rate=0.5, concurrency=0.6, queue=0.2, tokens=0.7, kv=0.9, wait=0.4,
+           kv_wait=1.0)
+
+
+def verdict(claim, **goodputs) -> str:
+  return claim(table(**{**ALL, **goodputs}), "mix", "steady", "5x")["verdict"]
+
+
+def test_a_line_beats_none_holds_fails_and_is_undecided():
+  assert verdict(line_study.claim_line_beats_none) == "holds"
+  assert verdict(line_study.claim_line_beats_none, none=2.0) == "fails"
+  zeros = dict.fromkeys(ALL, 0.0)
+  assert verdict(line_study.claim_line_beats_none, **zeros).startswith("undecided: ")
+
+
+def test_the_kv_line_wins_holds_fails_and_is_undecided():
+  assert verdict(line_study.claim_kv_wins) == "holds"
+  assert verdict(line_study.claim_kv_wins, kv_wait=0.5, kv=0.5) == "fails"  # tokens 0.7
+  assert verdict(line_study.claim_kv_wins, tokens=1.04) == "holds"  # within 5%
+  zeros = dict.fromkeys(ALL, 0.0)
+  assert verdict(line_study.claim_kv_wins, **zeros).startswith("undecided: ")
+
+
+def test_the_combination_claim_holds_fails_and_is_undecided_at_a_sweeps_edge():
+  assert verdict(line_study.claim_combination_needed) == "holds"
+  assert verdict(line_study.claim_combination_needed, wait=1.5) == "fails"
+  edged = table(**ALL)
+  edged["mix"]["steady"]["5x"]["kv"]["best_at_edge"] = True
+  claim = line_study.claim_combination_needed(edged, "mix", "steady", "5x")
+  assert claim["verdict"] == "undecided: the optimum of kv is at the edge of its sweep"
+
+
+def test_every_knob_setting_reads_back_as_its_line():
+  measured = {"sharegpt": dict(sustainable_requests_per_s=2.0, pool_tokens=10000,
+                               slo_ttft_s=1.0, slo_tpot_s=0.05)}
+  grid = line_study.knob_grid(line_study.SCALES["full"], measured)
+  assert list(grid) == list(line_study.LINES)
+  for line, settings in grid.items():
+    for setting in settings:
+      name, knob = line_study.line_of({**line_study.LINE_KEYS, **setting})
+      assert name == line
+      if line != "none":
+        assert knob in setting.values()
+
+
+def test_a_small_run_states_its_thresholds_and_a_verdict_per_claim(tmp_path):
+  scale = dataclasses.replace(line_study.SCALES["smoke"], num_requests=40, loads=(5,),
+                              knobs=1)
+  record = line_study.run(scale, tmp_path, show_progress=False)
+  for mix, measured in record["measured"].items():
+    assert measured["slo_ttft_s"] == pytest.approx(3 * measured["unloaded_ttft_p99_s"])
+    assert measured["slo_tpot_s"] == pytest.approx(3 * measured["unloaded_tpot_p50_s"])
+    by_line = record["table"][mix]["steady"]["5x"]
+    assert set(by_line) == set(line_study.LINES)
+  # Each run was judged by its mix's SLOs, and the rejected requests count against it.
+  for row in record["rows"]:
+    assert row["cell"]["slo_ttft"] in {round(m["slo_ttft_s"], 4)
+                                       for m in record["measured"].values()}
+  assert len(record["claims"]) == 3 * len(record["measured"])
+  for claim in record["claims"]:
+    assert claim["verdict"] in ("holds", "fails") or claim["verdict"].startswith("undecided: ")
+  assert set(record["robustness"]["steady"]["5x"]) == set(line_study.LINES[1:])
+  bars, curves = line_study.figures(record)
+  for figure in (bars, curves):
+    for axes in figure.axes:
+      assert axes.get_ylabel() and (axes.get_xlabel() or axes.get_xticklabels())
+  assert "SLO" in " ".join(text.get_text() for axes in bars.axes for text in axes.texts)
