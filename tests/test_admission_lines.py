@@ -45,8 +45,10 @@ def test_the_token_bucket_refuses_past_its_burst_with_an_exact_hint():
 
 
 def test_a_400_spends_no_token_but_a_refusal_behind_the_bucket_does():
-  sched, clock = scheduler(rate_limit=1.0, rate_burst=1, max_waiting=1)
+  sched, clock = scheduler(rate_limit=1.0, rate_burst=1, max_waiting=1,
+                           max_inflight_tokens=100)
   assert sched.add_request(req("bad", 0, 4)).status == 400  # empty prompt
+  assert sched.add_request(req("big", 96, 8)).cause == "exceeds_token_budget"
   assert sched.add_request(req("a", 4, 4)).admitted  # the token was still there
   clock.now = 1.0
   answer = sched.add_request(req("b", 4, 4))  # passes the bucket, the queue is full

@@ -253,3 +253,21 @@ def test_a_simulated_run_reports_its_running_batch():
                                                    vocab_size=32000, seed=1))
   batch = recorder.summary({})["running_batch"]
   assert batch["mean"] > 20 and batch["p50"] > 20
+
+
+def test_a_simulated_engine_nobody_records_for_keeps_only_a_few_steps_parts():
+  """Each step's priced parts wait for a recorder; with none (a bare engine), only the
+  last few stay, however long it runs, and the newest is still there to read."""
+  from kvpage.sim import executor as sim_executor
+
+  engine, _ = sim_13b()
+  replay.replay(engine, workload.synthesize(num_requests=20, arrival_rate=1000.0,
+                                            prompt_len="64", output_len="40",
+                                            vocab_size=32000, seed=2),
+                make_sampling=lambda item: SamplingParams(max_tokens=item.output_len,
+                                                          ignore_eos=True))
+  executor = engine.executor
+  assert len(executor.costs) > sim_executor.KEPT_PARTS  # it ran more steps than it keeps
+  assert len(executor._parts) == sim_executor.KEPT_PARTS
+  newest = max(executor._parts)
+  assert executor.step_parts(newest)["total_s"] > 0 and executor.step_parts(newest) is None

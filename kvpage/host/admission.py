@@ -140,29 +140,30 @@ class AdmissionControl:
       if bad:
         return Admission(BAD_REQUEST, f"prompt token ids {bad[:5]} are outside the vocabulary "
                          f"[0, {self.vocab_size})", None, rid, "invalid_token_ids")
+    estimate = self.estimate_pages(request)
+    # The smallest this estimate can ever be: the same for fixed policies, the prompt
+    # plus one token once a running mean may shrink it. Above a line even then, the
+    # request can never be admitted and a 503 would have the client retry forever.
+    running_mean = self.config.output_estimate == "running_mean"
+    floor = pool.pages_for(request.num_prompt_tokens + 1) if running_mean else estimate
+    kv_line = self.config.admission != "queue_only"
+    if kv_line and pool.num_usable_pages - floor < self.watermark_pages:
+      return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
+                       f"({self.watermark_pages:.1f} of {pool.num_usable_pages} pages kept free) "
+                       "even in an empty cache", None, rid, "exceeds_watermark")
+    budget = self.config.max_inflight_tokens
+    least_tokens = request.num_prompt_tokens + (
+        1 if running_mean else self.expected_output_tokens(request))
+    if budget and least_tokens > budget:
+      return Admission(BAD_REQUEST, f"{least_tokens} tokens (prompt + expected output) exceed "
+                       f"the in-flight token budget ({budget}) on their own", None, rid,
+                       "exceeds_token_budget")
     if self.config.rate_limit:
       refused = self._rate_limit(request, now)
       if refused is not None:
         return refused
-    estimate = self.estimate_pages(request)
-    # The smallest this estimate can ever be: the same for fixed policies, the prompt
-    # plus one token once a running mean may shrink it. Above the line even then, the
-    # request can never be admitted and a 503 would have the client retry forever.
-    floor = (estimate if self.config.output_estimate != "running_mean"
-             else pool.pages_for(request.num_prompt_tokens + 1))
-    running_mean = self.config.output_estimate == "running_mean"
-    least_tokens = request.num_prompt_tokens + (
-        1 if running_mean else self.expected_output_tokens(request))
-    if self.config.max_inflight_tokens and least_tokens > self.config.max_inflight_tokens:
-      return Admission(BAD_REQUEST, f"{least_tokens} tokens (prompt + expected output) exceed "
-                       f"the in-flight token budget ({self.config.max_inflight_tokens}) on "
-                       "their own", None, rid, "exceeds_token_budget")
-    if self.config.admission == "queue_only":
+    if not kv_line:
       return self._load_lines(request, now, queues)
-    if pool.num_usable_pages - floor < self.watermark_pages:
-      return Admission(BAD_REQUEST, f"an estimated {floor} pages would break the watermark "
-                       f"({self.watermark_pages:.1f} of {pool.num_usable_pages} pages kept free) "
-                       "even in an empty cache", None, rid, "exceeds_watermark")
     reserved = self.wait.reserved_ahead(rid, now)
     left = self.pages_left(estimate) - reserved
     if left < self.watermark_pages:

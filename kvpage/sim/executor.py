@@ -40,6 +40,9 @@ from kvpage.sim import step_model
 from kvpage.sim.step_model import StepCost, StepModel, StepNoise
 
 DUMMY_TOKEN = 1
+# Steps whose priced parts wait for the recorder: it reads each as the step returns,
+# and no more than two steps are ever in flight.
+KEPT_PARTS = 16
 
 
 class SimExecutor(Executor):
@@ -120,6 +123,8 @@ class SimExecutor(Executor):
       seconds += parts["noise_s"]
       parts["total_s"] = seconds
     self._parts[output.step] = parts
+    while len(self._parts) > KEPT_PARTS:  # an engine nobody records for: keep a few
+      del self._parts[next(iter(self._parts))]
     self._device_free_at = max(self._device_free_at, self.clock()) + seconds
     return self._device_free_at, samples
 

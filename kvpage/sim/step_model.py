@@ -290,8 +290,9 @@ class StepModel:
     self.kv_bytes_per_token = model_shape.kv_bytes_per_token(model, self.kv_dtype,
                                                           tensor_parallel=tp)
     self.flops_per_pair = 4 * model.num_layers * (model.num_heads // tp) * model.head_dim
-    # Cached per token count: a served run prices the same few shapes thousands of times.
-    self.layer_parts = functools.lru_cache(maxsize=4096)(self._layer_parts)
+    # Cached per shape: a served run prices the same few shapes thousands of times.
+    self._layer = functools.lru_cache(maxsize=4096)(self._layer_costs)
+    self.step_operator_parts = functools.lru_cache(maxsize=4096)(self._step_operator_parts)
 
   def with_rates(self, rates: StepRates) -> "StepModel":
     """The same model and device group, priced by other rates."""
@@ -323,20 +324,27 @@ class StepModel:
         num_allreduces=2 * self.model.num_layers if self.tensor_parallel > 1 and busy else 0,
         swap_bytes=float(num_swapped_pages * self.page_size * self.kv_bytes_per_token))
 
-  def _layer_parts(self, num_tokens: int) -> dict[str, float]:
-    """One layer's non-attention operators at `num_tokens`, seconds each (operator rates)."""
+  def _layer_costs(self, num_tokens: int) -> tuple[dict[str, float], str]:
+    """One layer's non-attention operators at `num_tokens`, seconds each (operator
+    rates), and the bound its largest projection (gate/up) hits."""
+    rates = self.rates.operators
+    assert rates is not None
     ops = operators_lib.layer_operators(self.model, num_tokens, self.tensor_parallel,
                                         self.weight_itemsize)
+    memory, compute = rates.gemm_bounds(ops["gate_up"], self.weight_itemsize)
+    return ({name: rates.seconds(op, self.weight_itemsize) for name, op in ops.items()},
+            "compute" if compute >= memory else "memory")
+
+  def layer_parts(self, num_tokens: int) -> dict[str, float]:
+    """One layer's non-attention operators at `num_tokens`, seconds each (operator rates)."""
+    return self._layer(num_tokens)[0]
+
+  def _step_operator_parts(self, num_tokens: int, num_sampled: int) -> dict[str, float]:
+    """The once-a-step operators' seconds: embedding, final norm, LM head."""
     rates = self.rates.operators
     assert rates is not None
-    return {name: rates.seconds(op, self.weight_itemsize) for name, op in ops.items()}
-
-  def step_operator_parts(self, num_tokens: int, num_sampled: int) -> dict[str, float]:
-    """The once-a-step operators' seconds: embedding, final norm, LM head."""
     ops = operators_lib.step_operators(self.model, num_tokens, num_sampled,
                                        self.tensor_parallel, self.weight_itemsize)
-    rates = self.rates.operators
-    assert rates is not None
     return {name: rates.seconds(op, self.weight_itemsize) for name, op in ops.items()}
 
   def allreduce_seconds(self, work: StepWork) -> float:
@@ -356,13 +364,10 @@ class StepModel:
     if r.operators is not None:
       if not work.num_tokens:
         return 0.0, "memory"
-      layer = sum(self.layer_parts(work.num_tokens).values())
-      seconds = self.model.num_layers * layer + sum(
+      layer, bound = self._layer(work.num_tokens)
+      seconds = self.model.num_layers * sum(layer.values()) + sum(
           self.step_operator_parts(work.num_tokens, work.num_sampled).values())
-      largest = operators_lib.layer_operators(self.model, work.num_tokens, self.tensor_parallel,
-                                              self.weight_itemsize)["gate_up"]
-      memory, compute = r.operators.gemm_bounds(largest, self.weight_itemsize)
-      return seconds, "compute" if compute >= memory else "memory"
+      return seconds, bound
     assert r.regimes is not None
     regimes = r.regimes
     small = work.num_tokens < regimes.knee_tokens
