@@ -148,6 +148,7 @@ def knob_grid(scale: Scale, measured: dict[str, Any]) -> dict[str, list[dict[str
     return list(values[start:start + scale.knobs])
 
   rates = [f * rate for f in (0.5, 0.75, 1.0, 1.5, 2.0)]
+  waits = [round(f * slo_ttft, 4) for f in pick((0.1, 0.25, 0.5, 1.0, 2.0))]
   return {
       "none": [{}],
       "rate": [{"scheduler.rate_limit": round(r, 4),
@@ -158,11 +159,9 @@ def knob_grid(scale: Scale, measured: dict[str, Any]) -> dict[str, list[dict[str
                  for f in pick((0.5, 0.75, 1.0, 1.5, 2.0))],
       "kv": [{"scheduler.admission": "watermark", "scheduler.watermark": w}
              for w in pick((0.0, 0.05, 0.15, 0.3, 0.5))],
-      "wait": [{"scheduler.max_forecast_wait_s": round(f * slo_ttft, 4)}
-               for f in pick((0.1, 0.25, 0.5, 1.0, 2.0))],
+      "wait": [{"scheduler.max_forecast_wait_s": wait} for wait in waits],
       "kv+wait": [{"scheduler.admission": "watermark", "scheduler.watermark": 0.15,
-                   "scheduler.max_forecast_wait_s": round(f * slo_ttft, 4)}
-                  for f in pick((0.1, 0.25, 0.5, 1.0, 2.0))],
+                   "scheduler.max_forecast_wait_s": wait} for wait in waits],
   }
 
 
@@ -182,13 +181,14 @@ def line_of(cell: dict[str, Any]) -> tuple[str, Any]:
 
 def cells(scale: Scale, setup: SimSetup, measured: dict[str, Any]) -> tuple[Any, list]:
   config = base(scale, setup)
+  settings = [s for line in LINES for s in knob_grid(scale, measured)[line]]
   grid = []
   for mix in scale.mixes:
     rate, slos = measured[mix]["sustainable_requests_per_s"], measured[mix]
     for arrival in scale.arrivals:
       for load in scale.loads:
-        for settings in (s for line in LINES for s in knob_grid(scale, measured)[line]):
-          grid.append({**LINE_KEYS, **settings, "prompt_len": MIXES[mix],
+        for setting in settings:
+          grid.append({**LINE_KEYS, **setting, "prompt_len": MIXES[mix],
                        "arrival_process": ARRIVALS[arrival],
                        "arrival_rate": f"{load * rate:.4g}",
                        "slo_ttft": round(slos["slo_ttft_s"], 4),
@@ -196,7 +196,7 @@ def cells(scale: Scale, setup: SimSetup, measured: dict[str, Any]) -> tuple[Any,
   return config, sweep.plan_cells(config, grid, range(scale.seeds))
 
 
-def analyze(rows: Sequence[dict], scale: Scale, measured: dict[str, Any]) -> dict[str, Any]:
+def analyze(rows: Sequence[dict], measured: dict[str, Any]) -> dict[str, Any]:
   """Per (mix, arrivals, load, line): every knob value's means over seeds, the best
   value (most goodput) and its figures, and each seed's goodput at it."""
   mixes = {spec: name for name, spec in MIXES.items()}
@@ -220,11 +220,12 @@ def analyze(rows: Sequence[dict], scale: Scale, measured: dict[str, Any]) -> dic
     for by_load in by_arrival.values():
       for by_line in by_load.values():
         for entry in by_line.values():
-          knobs = list(entry["by_knob"])
+          knobs = sorted(entry["by_knob"], key=lambda k: 0.0 if k == "None" else float(k))
           best = max(knobs, key=lambda k: entry["by_knob"][k]["goodput_requests_per_s"])
           entry["best_knob"] = best
           entry["best"] = entry["by_knob"][best]
-          entry["best_at_edge"] = len(knobs) > 2 and best in (knobs[0], knobs[-1])
+          # Bracketed only inside a sweep of three values or more.
+          entry["best_at_edge"] = len(knobs) < 3 or best in (knobs[0], knobs[-1])
   return table
 
 
@@ -271,8 +272,8 @@ def claim_combination_needed(table: dict[str, Any], mix: str, arrival: str,
   holds = None if at_edge else both > max(kv, wait)
   return dict(claim=f"{mix}, {arrival}, {load}: no single line suffices: KV + wait serves "
                     "more goodput than the KV line or the wait line alone",
-              verdict=_verdict(holds, f"the optimum of {', '.join(at_edge)} is at the edge of "
-                                      "its sweep"),
+              verdict=_verdict(holds, f"the optimum of {', '.join(at_edge)} is not bracketed "
+                                      "(at the edge of its sweep, or fewer than three values)"),
               evidence=f"kv+wait {both:.3f}, kv {kv:.3f}, wait {wait:.3f} req/s")
 
 
@@ -296,7 +297,7 @@ def robustness(table: dict[str, Any], arrival: str, load: str) -> dict[str, Any]
   return out
 
 
-def claims(table: dict[str, Any], scale: Scale) -> list[dict[str, Any]]:
+def claims(table: dict[str, Any]) -> list[dict[str, Any]]:
   stated = []
   for mix in table:
     for arrival in table[mix]:
@@ -315,7 +316,7 @@ def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
   measured = measure(scale, setup)
   config, grid = cells(scale, setup, measured)
   rows = sweep.run_sweep(config, grid, directory / "runs", show_progress=show_progress)
-  table = analyze(rows, scale, measured)
+  table = analyze(rows, measured)
   robust = {arrival: {load: robustness(table, arrival, load)
                       for load in next(iter(table.values()))[arrival]}
             for arrival in next(iter(table.values()))}
@@ -325,7 +326,7 @@ def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
                          sustainable="requests/s finished with everything offered at once, "
                                      "no line", knobs=knob_grid(scale, measured)),
               measured=measured, table=table, robustness=robust,
-              claims=claims(table, scale), premises=rows[0]["premises"], rows=rows)
+              claims=claims(table), premises=rows[0]["premises"], rows=rows)
 
 
 def figures(record: dict[str, Any]):

@@ -48,7 +48,8 @@ def test_the_combination_claim_holds_fails_and_is_undecided_at_a_sweeps_edge():
   edged = table(**ALL)
   edged["mix"]["steady"]["5x"]["kv"]["best_at_edge"] = True
   claim = line_study.claim_combination_needed(edged, "mix", "steady", "5x")
-  assert claim["verdict"] == "undecided: the optimum of kv is at the edge of its sweep"
+  assert claim["verdict"] == ("undecided: the optimum of kv is not bracketed (at the edge of "
+                              "its sweep, or fewer than three values)")
 
 
 def test_every_knob_setting_reads_back_as_its_line():
@@ -86,3 +87,22 @@ def test_a_small_run_states_its_thresholds_and_a_verdict_per_claim(tmp_path):
     for axes in figure.axes:
       assert axes.get_ylabel() and (axes.get_xlabel() or axes.get_xticklabels())
   assert "SLO" in " ".join(text.get_text() for axes in bars.axes for text in axes.texts)
+
+
+def test_the_best_setting_is_bracketed_only_inside_a_sweep_of_three_or_more():
+  measured = {"sharegpt": dict(sustainable_requests_per_s=2.0)}
+
+  def rows(goodputs: dict[float, float]) -> list[dict]:
+    return [{"cell": {**line_study.LINE_KEYS, "scheduler.admission": "watermark",
+                      "scheduler.watermark": watermark, "prompt_len": "lognormal:512:3000",
+                      "arrival_process": "poisson", "arrival_rate": "10"},
+             "metrics": {"goodput_requests_per_s": goodput}}
+            for watermark, goodput in reversed(goodputs.items())]  # any order
+
+  def kv(goodputs):
+    return line_study.analyze(rows(goodputs), measured)["sharegpt"]["steady"]["5x"]["kv"]
+
+  inside = kv({0.0: 1.0, 0.15: 2.0, 0.3: 1.5})
+  assert inside["best_knob"] == "0.15" and not inside["best_at_edge"]
+  assert kv({0.0: 1.0, 0.15: 2.0, 0.3: 2.5})["best_at_edge"]  # rising at the top
+  assert kv({0.0: 1.0, 0.15: 2.0})["best_at_edge"]  # two values bracket nothing
