@@ -42,9 +42,16 @@ def test_the_shipped_operator_rates_are_the_fit_of_the_shipped_profiles():
                                                             "a100_all_reduce.csv"),
                          measured_on=operators.Datasheet.of(A100), network="nvswitch",
                          source=SHIPPED.source)
-  for name in ("gemm_floor_s", "gemm_bandwidth", "gemm_peak_fraction", "gemm_half_tokens",
-               "elementwise_floor_s", "elementwise_bandwidth"):
+  for name in ("gemm_bandwidth", "gemm_peak_fraction", "gemm_half_tokens",
+               "elementwise_bandwidth"):
     assert getattr(fitted, name) == pytest.approx(getattr(SHIPPED, name), rel=1e-4), name
+  # A layer pays both floors on every profiled row, so the data pin their sum, not the
+  # split between them (it moves by about 1% between scipy releases): the two floors
+  # agree loosely, and every row is priced the same to a part in a million.
+  for name in ("gemm_floor_s", "elementwise_floor_s"):
+    assert getattr(fitted, name) == pytest.approx(getattr(SHIPPED, name), rel=0.05), name
+  np.testing.assert_allclose(operators.layer_errors(fitted, PROFILES) + 1.0,
+                             operators.layer_errors(SHIPPED, PROFILES) + 1.0, rtol=1e-6)
   assert fitted.allreduce.keys() == SHIPPED.allreduce.keys() == {"nvswitch", "nvlink_pairs"}
   assert sorted(SHIPPED.allreduce["nvswitch"]) == [2, 4, 8]
   # A GEMM reads its weights once: few tokens cost the weights, many tokens the FLOPs.
