@@ -5,6 +5,8 @@
                                        preemptions over time; TTFT and TPOT CDFs
   sweep_curves(rows, x=..., metrics=.) one panel per metric against `x` (the load), one
                                        line per policy, mean over seeds with min-max bars
+  threshold(axes, value, label)        an SLO, capacity or rate drawn as a labelled line
+  legend_outside(axes)                 the legend beside the panel, off the data
 
 Every figure carries its premises (model, dtype, hardware, executor, policies,
 workload, seeds, versions) in its title lines. matplotlib comes with the `notebooks`
@@ -62,6 +64,27 @@ def premises_line(premises: Row, swept: Sequence[str] = ()) -> str:
           f"/s ({work.get('arrival_process')}), prompt {work.get('prompt_len')}, output "
           f"{work.get('output_len')}; seed {'swept' if 'seed' in names else premises.get('seed')}; "
           f"jax {packages.get('jax')}, python {premises.get('python')}")
+
+
+def threshold(axes, value: float | None, label: str, *, vertical: bool = False,
+              color: str = "k") -> None:
+  """A premise drawn on a figure: a dashed line at `value` (an SLO, a capacity, a
+  sustainable rate) with its label; nothing when `value` is None."""
+  if value is None:
+    return
+  if vertical:
+    axes.axvline(value, color=color, ls="--", lw=1)
+    axes.annotate(f" {label}", (value, 1.0), xycoords=("data", "axes fraction"),
+                  fontsize=7, va="top", ha="left", rotation=90, color=color)
+  else:
+    axes.axhline(value, color=color, ls="--", lw=1)
+    axes.annotate(f"{label} ", (1.0, value), xycoords=("axes fraction", "data"),
+                  fontsize=7, va="bottom", ha="right", color=color)
+
+
+def legend_outside(axes, **kwargs: Any) -> None:
+  """The legend to the right of `axes`, off the data."""
+  axes.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize=7, **kwargs)
 
 
 def _cdf(axes, values: Sequence[float], label: str) -> None:
