@@ -86,7 +86,8 @@ def measure(config, hardware, trace: list[workload.TraceRequest], rate: float, *
     now = clock - start
     still = []
     for rejection, probe in open_probes:
-      if scheduler.admission.admissible(probe, scheduler.num_waiting, clock):
+      if scheduler.admission.admissible(probe, scheduler.num_waiting, clock,
+                                        scheduler.running):
         rejection.actual = now - rejection.time
       else:
         still.append((rejection, probe))

@@ -115,3 +115,34 @@ def test_jitter_is_seeded_and_only_stretches():
     hints.append([sched.add_request(req(f"b{i}", 36, 8)).retry_after for i in range(4)])
   assert hints[0] == hints[1] and len(set(hints[0])) == 4
   assert base <= hints[0][0] < 1.5 * base
+
+
+def test_the_kv_line_counts_the_rest_of_a_prompt_being_prefilled_in_chunks():
+  """A 64-token prompt one 8-token chunk in holds 2 of its 16 prompt pages: the other 14
+  are certain growth, so the door counts them, and its answer does not change when the
+  prefill completes (before, it admitted a request the growth then squeezed out)."""
+  sched, clock = scheduler(chunk_size=8, max_num_batched_tokens=8)
+  assert sched.add_request(req("long", 64, 4)).admitted
+  run_steps(sched, clock, 1)
+  assert sched.page_pool.num_free_pages == 30 and sched.admission.num_backlog_pages == 0
+  answer = sched.add_request(req("b", 32, 4))  # 9 pages: 30 - 9 >= 8, but 30 - 14 - 9 < 8
+  assert (answer.status, answer.cause) == (503, "kv_pressure")
+  assert "14 for the rest of running prompts" in answer.reason
+  assert sched.add_request(req("c", 28, 4)).admitted  # 8 pages: 30 - 14 - 8 = 8 kept
+  sched.abort("c")
+  run_steps(sched, clock, 7)  # the prompt is in: the door's arithmetic is the same
+  assert sched.page_pool.num_free_pages == 16
+  assert not sched.admission.admissible(req("b", 32, 4), 0, clock.now, sched.running)
+  assert sched.admission.admissible(req("c", 28, 4), 0, clock.now, sched.running)
+
+
+def test_the_forecast_room_counts_the_rest_of_running_prompts():
+  from kvpage.host import forecast
+  rules = forecast.Rules(max_num_batched_tokens=8, chunk_size=8, max_num_seqs=4, chunked=True,
+                         page_size=4, watermark_pages=0.0, decode_costs=(STEP_S, 0, 0, 0),
+                         prefill_costs=(STEP_S, 0, 0, 0), horizon_s=60.0)
+  running = [forecast.Job("long", prefill=56, samples_left=4, computed=8, pages=2, estimate=0)]
+  timeline = forecast.run(rules, 30, running, [], [])
+  assert timeline.rooms[0] == 30 - 14
+  assert set(timeline.rooms[:8]) == {16}  # each chunk trades an owed page for a held one
+  assert timeline.rooms[-1] == 32  # it ended: every page is back

@@ -8,8 +8,9 @@ request may queue. The answers, checked in this order:
     more pages than the whole pool, or its estimate would break the watermark even in
     an empty cache; or its prompt holds ids outside the vocabulary. Retrying cannot help.
   * **503** cache pressure: this estimate, plus the estimates of the requests already
-    admitted but not running (waiting or swapped out), would leave fewer free pages
-    than the watermark. The memory line is held first, so when both the cache and the
+    admitted but not running (waiting or swapped out), plus the rest of the prompts
+    that running requests are still prefilling, would leave fewer free pages than the
+    watermark. The memory line is held first, so when both the cache and the
     queue say no, the client hears about the cache.
   * **429** the waiting queue is full (`max_waiting`; 0 = unbounded).
   * **200** admitted.
@@ -45,8 +46,10 @@ running mean of finished outputs (overcommits on purpose and lets preemption abs
 the tail, the bet vLLM makes, SOSP'23 section 4.5). With prefix caching, the pages a
 request would share with running requests are not counted: admission counts what is
 really new. Only requests that hold no pages
-yet are counted at their estimate: once running, a request counts the pages it holds,
-and its further growth is what the watermark's free pages are for. Under sustained
+yet are counted at their estimate: once running, a request counts the pages it holds
+plus the rest of its prompt while it is prefilled in chunks (certain growth: an
+8,000-token prompt one chunk in holds a sixteenth of what it will), and its output's
+further growth is what the watermark's free pages are for. Under sustained
 load of long outputs that buffer can run out, and preemption takes over; reserving
 each running request's full remaining growth would never preempt, at the price of a
 mostly idle cache.
@@ -63,10 +66,11 @@ Pure Python: never imports jax.
 """
 
 import collections
+from collections.abc import Sequence
 
 import ml_collections
 
-from kvpage.host import prefix_cache
+from kvpage.host import forecast, prefix_cache
 from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
 from kvpage.host.wait_estimate import WaitEstimator
@@ -165,14 +169,17 @@ class AdmissionControl:
     if not kv_line:
       return self._load_lines(request, now, queues)
     reserved = self.wait.reserved_ahead(rid, now)
-    left = self.pages_left(estimate) - reserved
+    owed = self.owed_pages(queues.running)
+    left = self.pages_left(estimate, queues.running) - reserved
     if left < self.watermark_pages:
       held = f" + {reserved} reserved for rejected requests ahead of it" if reserved else ""
+      prompts = f" + {owed} for the rest of running prompts" if owed else ""
       return Admission(
           SERVICE_UNAVAILABLE,
           f"cache pressure: {estimate} pages for this request + {self.num_backlog_pages} for "
-          f"admitted waiting requests{held} would leave {left} of {pool.num_free_pages} free "
-          f"pages, under the watermark of {self.watermark_pages:.1f}",
+          f"admitted waiting requests{prompts}{held} would leave {left} of "
+          f"{pool.num_free_pages} free pages, under the watermark of "
+          f"{self.watermark_pages:.1f}",
           self.wait.retry_after_pages(request, estimate, now, queues), rid, "kv_pressure")
     return self._load_lines(request, now, queues)
 
@@ -225,19 +232,29 @@ class AdmissionControl:
     self.wait.release(rid)
     return Admission(OK, "admitted", None, rid)
 
-  def pages_left(self, estimate: int) -> int:
-    """Free pages left after the admitted backlog and a request of `estimate` pages
-    (before any reservation: see `WaitEstimator.reserved_ahead`)."""
-    return self.page_pool.num_free_pages - self.num_backlog_pages - estimate
+  def owed_pages(self, running: Sequence[Request]) -> int:
+    """Pages the `running` requests still prefilling will take for the rest of their
+    prompts (beyond the pages they hold)."""
+    page_size = self.page_pool.page_size
+    return sum(forecast.job_of(request).owed_pages(page_size) for request in running)
 
-  def admissible(self, request: Request, num_waiting: int, now: float = 0.0) -> bool:
+  def pages_left(self, estimate: int, running: Sequence[Request] = ()) -> int:
+    """Free pages left after the rest of the `running` prompts, the admitted backlog
+    and a request of `estimate` pages (before any reservation: see
+    `WaitEstimator.reserved_ahead`)."""
+    return (self.page_pool.num_free_pages - self.owed_pages(running) - self.num_backlog_pages
+            - estimate)
+
+  def admissible(self, request: Request, num_waiting: int, now: float = 0.0,
+                 running: Sequence[Request] = ()) -> bool:
     """Whether the cache and the queue would take `request` now (one that passed the
-    400 checks), behind the reservations ranked ahead of its id; no side effects
-    beyond releasing lapsed reservations, so a study can probe it at any moment."""
+    400 checks), behind the reservations ranked ahead of its id and the rest of the
+    `running` prompts; no side effects beyond releasing lapsed reservations, so a study
+    can probe it at any moment."""
     queue_ok = not self.config.max_waiting or num_waiting < self.config.max_waiting
     if self.config.admission == "queue_only":
       return queue_ok
-    left = (self.pages_left(self.estimate_pages(request))
+    left = (self.pages_left(self.estimate_pages(request), running)
             - self.wait.reserved_ahead(request.request_id, now))
     return left >= self.watermark_pages and queue_ok
 

@@ -11,8 +11,9 @@ is read off one forward run of the scheduler's own rules over what it holds now:
     trading its page estimate at the admission line for the pages it holds;
   * **reservations** (rejected requests told when to come back, in the order of their
     first rejection) join the queue from the moment they are due, once the admission
-    check passes for them: free pages, less the queue's estimates, less the
-    reservations ranked ahead, less their own estimate, above the watermark;
+    check passes for them: free pages, less the rest of the running prompts' pages,
+    less the queue's estimates, less the reservations ranked ahead, less their own
+    estimate, above the watermark;
   * each step lasts what `kvpage.host.step_cost` says a step of that many tokens over
     that much context costs.
 
@@ -68,6 +69,13 @@ class Job:
   due: float = 0.0  # a reservation: admissible from this many seconds from now
   waiting: bool = False  # in the waiting queue (a departure is counted when it runs)
 
+  def owed_pages(self, page_size: int) -> int:
+    """Pages a running job is certain to take before its next sample: the rest of its
+    prompt (or of its recompute), beyond the pages it holds; 0 while decoding."""
+    if not self.prefill:
+      return 0
+    return max(0, cdiv(self.computed + self.prefill, page_size) - self.pages)
+
 
 def job_of(request: Request, estimate: int = 0) -> Job:
   """The forecast's view of `request` (running, queued or swapped)."""
@@ -85,7 +93,8 @@ class Timeline:
   """A forecast: times are seconds from the moment it was made."""
 
   times: list[float]  # after each forecast step (and at 0)
-  rooms: list[int]  # free - queue estimates - unadmitted reservations, at those times
+  # free - running prompts' owed pages - queue estimates - unadmitted reservations
+  rooms: list[int]
   admitted: dict[str, float]  # reservation -> when it passed the admission check
   scheduled: dict[str, float]  # queued request or reservation -> when it first ran
   departures: list[float]  # the waiting queue's departures, in order
@@ -154,7 +163,13 @@ class _Run:
     self.num_steps = 0
 
   def room(self) -> int:
-    return self.free - self.queue_charge - self.reserved_charge
+    """The admission line's view: free pages less the rest of the running prompts (a
+    chunked prompt takes them for certain) and the estimates of the queue and the
+    unadmitted reservations."""
+    return self.free - self.owed() - self.queue_charge - self.reserved_charge
+
+  def owed(self) -> int:
+    return sum(job.owed_pages(self.rules.page_size) for job in self.running)
 
   def timeline(self) -> Timeline:
     while (self.running or self.queue or self.reserved) and self.now <= self.rules.horizon_s:
@@ -172,9 +187,9 @@ class _Run:
 
   def admit_reservations(self) -> None:
     """Due reservations that pass the admission check join the queue, in rank order."""
-    ahead = 0
+    ahead, left = 0, self.free - self.owed()
     for job in list(self.reserved):
-      if job.due <= self.now and (self.room() + self.reserved_charge - ahead - job.estimate
+      if job.due <= self.now and (left - self.queue_charge - ahead - job.estimate
                                   >= self.rules.watermark_pages):
         self.reserved.remove(job)
         self.reserved_charge -= job.estimate
