@@ -62,7 +62,8 @@ def search_capacity(meets: Callable[[float], bool], start: float, *, max_rate: f
                     growth: float = 2.0) -> Capacity:
   """The highest arrival rate at which `meets(rate)` (the SLO holds), by search: from
   `start`, grow by `growth` until it breaks (or `max_rate` is probed), shrink the same
-  way if `start` already breaks (down to `min_rate`), then bisect the bracket until it
+  way if `start` already breaks (down to `min_rate`, and never below `start` / 1024),
+  then bisect the bracket until it
   is within `relative_tolerance` of its upper end. Assumes the SLO, once broken, stays
   broken at higher rates (what each probe's record lets a reader check)."""
   if not 0 < start <= max_rate:
@@ -91,7 +92,7 @@ def search_capacity(meets: Callable[[float], bool], start: float, *, max_rate: f
     high = rate
     while True:
       rate = high / growth
-      if rate < min_rate or rate <= 0:
+      if rate < max(min_rate, start / 1024):
         return Capacity(None, high, tuple(probes))
       if probe(rate):
         low = rate

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 from absl import flags
 
-from experiments import cli, serve_bench, sim_setups, sweep
+from experiments import claims, cli, sim_setups, sweep
 from experiments.sim_setups import SimSetup
 
 flags.FLAGS.set_default("workdir", "workdir/line_study")
@@ -61,8 +61,10 @@ ARRIVALS = {"steady": "poisson", "bursty": "gamma:3"}
 OUTPUT = dict(output_len="uniform:32:512", max_tokens=1024)
 CONTEXT = 16384  # the study's model context: the long prompts must fit
 LINES = ("none", "rate", "concurrency", "queue", "tokens", "kv", "wait", "kv+wait")
-UNLOADED = 0.05  # the unloaded run's load, x the sustainable rate
+UNLOADED = 0.05  # the unloaded run's load, x the throughput with everything at once
 SLO_FACTOR = 3.0  # each SLO is this many times the unloaded run's figure
+ATTAINMENT = 0.9  # sustainable: this share of requests within both SLOs, with no line
+SEARCH_REACH = 8.0  # the capacity search stops at this many times the throughput
 FIGURES = ("goodput_requests_per_s", "goodput_fraction", "num_preemptions",
            "recomputed_tokens", "num_aborted", "ttft_p99_s", "tpot_p99_s", "rejected_400",
            "rejected_429", "rejected_503", "num_finished")
@@ -77,14 +79,16 @@ class Scale:
   mixes: tuple[str, ...]
   arrivals: tuple[str, ...]
   loads: tuple[float, ...]
-  knobs: int  # values per line's knob (the grid's middle ones when fewer than all)
+  knobs: int  # values per line's knob to start with (the middle of its ladder)
+  extend: bool  # extend each line's sweep along its ladder until its optimum is bracketed
+  tolerance: float  # the capacity search's bracket, relative
 
 
 SCALES = {
     "full": Scale(num_requests=600, seeds=3, mixes=tuple(MIXES), arrivals=tuple(ARRIVALS),
-                  loads=(1, 2, 5, 10), knobs=5),
+                  loads=(1, 2, 5, 10), knobs=5, extend=True, tolerance=0.05),
     "smoke": Scale(num_requests=150, seeds=1, mixes=tuple(MIXES), arrivals=("steady",),
-                   loads=(1, 5), knobs=2),
+                   loads=(1, 5), knobs=2, extend=False, tolerance=0.15),
 }
 # Every line's keys, so that each cell sets them all and its line can be read back.
 LINE_KEYS = {"scheduler.admission": "queue_only", "scheduler.max_waiting": 0,
@@ -105,64 +109,93 @@ def base(scale: Scale, setup: SimSetup) -> Any:
   return config
 
 
-def _run(config: Any) -> dict[str, Any]:
-  summary, _ = serve_bench.run_bench(config, show_progress=False)
-  return summary
+def _probe(config: Any, values: dict[str, Any], directory: pathlib.Path,
+           show_progress: bool) -> dict[str, Any]:
+  """One measurement run: `values` (serve_bench flags) over the base `config`, a sweep
+  cell kept in `directory`, so a resumed study finds it done."""
+  (cell,) = sweep.plan_cells(config, [{**LINE_KEYS, **values}], [0])
+  (row,) = sweep.run_cells([cell], directory, show_progress=show_progress)
+  return row["summary"]
 
 
-def measure(scale: Scale, setup: SimSetup) -> dict[str, Any]:
-  """Per mix: its sustainable rate (everything at once, no line) and its SLOs (from an
-  unloaded run); and the KV pool's tokens."""
+def measure(scale: Scale, setup: SimSetup, directory: pathlib.Path,
+            show_progress: bool = False) -> dict[str, Any]:
+  """Per mix, with no line: the throughput with everything offered at once; the SLOs,
+  from an unloaded run at `UNLOADED` x that throughput; the sustainable rate, found by
+  search (the highest Poisson rate at which `ATTAINMENT` of requests meet both SLOs);
+  and the KV pool's tokens. Every run is a cell in `directory`."""
+  config = base(scale, setup)
+  directory.mkdir(parents=True, exist_ok=True)
+  record = sweep.manifest(config, [])  # the probes' base: a resumed study must share it
+  sweep.check_manifest(directory, record)
+  cli.write_files(directory, {sweep.MANIFEST: json.dumps(record, indent=2)})
   measured: dict[str, Any] = {}
   for mix in scale.mixes:
-    config = base(scale, setup)
-    config.bench.prompt_len = MIXES[mix]
-    config.bench.arrival_rate = "inf"
-    saturated = _run(config)
-    rate = saturated["num_finished"] / saturated["duration_s"]
-    config.bench.arrival_rate = f"{UNLOADED * rate:.4g}"
-    config.bench.num_requests = max(40, scale.num_requests // 5)
-    unloaded = _run(config)
+    probe = lambda **values: _probe(config, dict(prompt_len=MIXES[mix], **values),  # noqa: B023
+                                    directory, show_progress)
+    saturated = probe(arrival_rate="inf")
+    throughput = saturated["num_finished"] / saturated["duration_s"]
+    unloaded = probe(arrival_process="poisson", arrival_rate=f"{UNLOADED * throughput:.4g}",
+                     num_requests=max(40, scale.num_requests // 5))
+    slos = dict(slo_ttft=round(SLO_FACTOR * unloaded["ttft_s"]["p99"], 4),
+                slo_tpot=round(SLO_FACTOR * unloaded["tpot_s"]["p50"], 4))
+
+    def meets(rate: float) -> bool:
+      summary = probe(arrival_process="poisson", arrival_rate=f"{rate:.4g}", **slos)  # noqa: B023
+      return summary["goodput_fraction"] >= ATTAINMENT
+
+    found = claims.search_capacity(meets, throughput, max_rate=SEARCH_REACH * throughput,
+                                   min_rate=UNLOADED * throughput,
+                                   relative_tolerance=scale.tolerance)
     measured[mix] = dict(
-        sustainable_requests_per_s=rate, unloaded_rate=UNLOADED * rate,
+        throughput_at_once=throughput, unloaded_rate=UNLOADED * throughput,
         unloaded_ttft_p99_s=unloaded["ttft_s"]["p99"],
         unloaded_tpot_p50_s=unloaded["tpot_s"]["p50"],
-        slo_ttft_s=SLO_FACTOR * unloaded["ttft_s"]["p99"],
-        slo_tpot_s=SLO_FACTOR * unloaded["tpot_s"]["p50"],
+        slo_ttft_s=slos["slo_ttft"], slo_tpot_s=slos["slo_tpot"],
+        sustainable_requests_per_s=found.rate or UNLOADED * throughput,
+        capacity_search=found.to_dict(),
         pool_tokens=saturated["pages_total"] * saturated["premises"]["page_size"])
   return measured
 
 
-def knob_grid(scale: Scale, measured: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-  """Each line's settings (config key -> value), in absolute units shared by every mix:
-  rates around the ShareGPT-like mix's sustainable rate, token budgets around the KV
-  pool, waits around the TTFT SLO of the strictest mix."""
+def ladders(measured: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+  """Each line's settings (config key -> value) in knob order, in absolute units shared
+  by every mix: rates around the ShareGPT-like mix's sustainable rate, token budgets
+  around the KV pool, waits around the TTFT SLO of the strictest mix. A sweep starts in
+  the middle of its ladder and may extend along it (`Scale.extend`)."""
   reference = measured.get("sharegpt") or next(iter(measured.values()))
   rate, pool = reference["sustainable_requests_per_s"], reference["pool_tokens"]
   slo_ttft = min(m["slo_ttft_s"] for m in measured.values())
-
-  def pick(values: Sequence[Any]) -> list[Any]:
-    if scale.knobs >= len(values):
-      return list(values)
-    start = (len(values) - scale.knobs) // 2
-    return list(values[start:start + scale.knobs])
-
-  rates = [f * rate for f in (0.5, 0.75, 1.0, 1.5, 2.0)]
-  waits = [round(f * slo_ttft, 4) for f in pick((0.1, 0.25, 0.5, 1.0, 2.0))]
+  waits = [round(f * slo_ttft, 4) for f in (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0)]
   return {
       "none": [{}],
-      "rate": [{"scheduler.rate_limit": round(r, 4),
-                "scheduler.rate_burst": max(1, math.ceil(r))} for r in pick(rates)],
-      "concurrency": [{"scheduler.max_concurrent": n} for n in pick((16, 32, 64, 128, 256))],
-      "queue": [{"scheduler.max_waiting": n} for n in pick((2, 8, 32, 128, 512))],
+      "rate": [{"scheduler.rate_limit": round(f * rate, 4),
+                "scheduler.rate_burst": max(1, math.ceil(f * rate))}
+               for f in (0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)],
+      "concurrency": [{"scheduler.max_concurrent": n}
+                      for n in (4, 8, 16, 32, 64, 128, 256, 512)],
+      "queue": [{"scheduler.max_waiting": n} for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)],
       "tokens": [{"scheduler.max_inflight_tokens": int(f * pool)}
-                 for f in pick((0.5, 0.75, 1.0, 1.5, 2.0))],
+                 for f in (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)],
       "kv": [{"scheduler.admission": "watermark", "scheduler.watermark": w}
-             for w in pick((0.0, 0.05, 0.15, 0.3, 0.5))],
+             for w in (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)],
       "wait": [{"scheduler.max_forecast_wait_s": wait} for wait in waits],
       "kv+wait": [{"scheduler.admission": "watermark", "scheduler.watermark": 0.15,
                    "scheduler.max_forecast_wait_s": wait} for wait in waits],
   }
+
+
+def first_knobs(scale: Scale, ladder: Sequence[Any]) -> list[int]:
+  """The positions a line's sweep starts with: the middle `scale.knobs` of its ladder."""
+  count = min(scale.knobs, len(ladder))
+  start = (len(ladder) - count) // 2
+  return list(range(start, start + count))
+
+
+def knob_grid(scale: Scale, measured: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+  """Each line's starting settings (see `ladders`)."""
+  return {line: [ladder[i] for i in first_knobs(scale, ladder)]
+          for line, ladder in ladders(measured).items()}
 
 
 def line_of(cell: dict[str, Any]) -> tuple[str, Any]:
@@ -179,54 +212,83 @@ def line_of(cell: dict[str, Any]) -> tuple[str, Any]:
   return "none", None
 
 
-def cells(scale: Scale, setup: SimSetup, measured: dict[str, Any]) -> tuple[Any, list]:
-  config = base(scale, setup)
-  settings = [s for line in LINES for s in knob_grid(scale, measured)[line]]
+Where = tuple[str, str, str]  # (mix, arrivals, load), as the table names them
+
+
+def cells(config: Any, scale: Scale, measured: dict[str, Any],
+          chosen: dict[tuple[str, str, str, str], list[int]]) -> list[sweep.Cell]:
+  """The runs of every (mix, arrivals, load, line) at its `chosen` ladder positions."""
+  ladder = ladders(measured)
   grid = []
-  for mix in scale.mixes:
-    rate, slos = measured[mix]["sustainable_requests_per_s"], measured[mix]
-    for arrival in scale.arrivals:
-      for load in scale.loads:
-        for setting in settings:
-          grid.append({**LINE_KEYS, **setting, "prompt_len": MIXES[mix],
-                       "arrival_process": ARRIVALS[arrival],
-                       "arrival_rate": f"{load * rate:.4g}",
-                       "slo_ttft": round(slos["slo_ttft_s"], 4),
-                       "slo_tpot": round(slos["slo_tpot_s"], 4)})
-  return config, sweep.plan_cells(config, grid, range(scale.seeds))
+  for (mix, arrival, load, line), positions in chosen.items():
+    slos = measured[mix]
+    rate = float(load.rstrip("x")) * slos["sustainable_requests_per_s"]
+    for position in positions:
+      grid.append({**LINE_KEYS, **ladder[line][position], "prompt_len": MIXES[mix],
+                   "arrival_process": ARRIVALS[arrival], "arrival_rate": f"{rate:.4g}",
+                   "slo_ttft": slos["slo_ttft_s"], "slo_tpot": slos["slo_tpot_s"]})
+  return sweep.plan_cells(config, grid, range(scale.seeds))
+
+
+def _knob_positions(measured: dict[str, Any]) -> dict[str, dict[str, int]]:
+  """Per line, its knob values (as the table names them) -> their ladder positions."""
+  return {line: {str(line_of({**LINE_KEYS, **setting})[1]): i
+                 for i, setting in enumerate(settings)}
+          for line, settings in ladders(measured).items()}
 
 
 def analyze(rows: Sequence[dict], measured: dict[str, Any]) -> dict[str, Any]:
-  """Per (mix, arrivals, load, line): every knob value's means over seeds, the best
-  value (most goodput) and its figures, and each seed's goodput at it."""
+  """Per (mix, arrivals, load, line): every knob value's means over seeds (in ladder
+  order), the best value (most goodput) and its figures, each seed's goodput at it, and
+  whether that optimum is bracketed inside the values swept."""
   mixes = {spec: name for name, spec in MIXES.items()}
   arrivals = {spec: name for name, spec in ARRIVALS.items()}
+  positions = _knob_positions(measured)
   groups: dict[tuple, list[dict]] = {}
   for row in rows:
     cell = row["cell"]
     mix = mixes[cell["prompt_len"]]
     load = round(float(cell["arrival_rate"]) / measured[mix]["sustainable_requests_per_s"], 2)
     line, knob = line_of(cell)
-    groups.setdefault((mix, arrivals[cell["arrival_process"]], f"{load:g}x", line, knob),
+    groups.setdefault((mix, arrivals[cell["arrival_process"]], f"{load:g}x", line, str(knob)),
                       []).append(row)
   table: dict[str, Any] = {}
-  for (mix, arrival, load, line, knob), group in groups.items():
+  for (mix, arrival, load, line, knob), group in sorted(
+      groups.items(), key=lambda item: positions[item[0][3]].get(item[0][4], 0)):
     means = {m: float(np.mean([r["metrics"].get(m) or 0.0 for r in group])) for m in FIGURES}
     means["goodput_by_seed"] = [r["metrics"]["goodput_requests_per_s"] for r in group]
     entry = table.setdefault(mix, {}).setdefault(arrival, {}).setdefault(load, {}).setdefault(
         line, {"by_knob": {}})
-    entry["by_knob"][str(knob)] = means
+    entry["by_knob"][knob] = means
   for by_arrival in table.values():
     for by_load in by_arrival.values():
       for by_line in by_load.values():
-        for entry in by_line.values():
-          knobs = sorted(entry["by_knob"], key=lambda k: 0.0 if k == "None" else float(k))
+        for line, entry in by_line.items():
+          knobs = list(entry["by_knob"])
           best = max(knobs, key=lambda k: entry["by_knob"][k]["goodput_requests_per_s"])
           entry["best_knob"] = best
           entry["best"] = entry["by_knob"][best]
-          # Bracketed only inside a sweep of three values or more.
-          entry["best_at_edge"] = len(knobs) < 3 or best in (knobs[0], knobs[-1])
+          at = positions[line]
+          entry["best_at_edge"] = not claims.bracketed([at.get(k, 0) for k in knobs],
+                                                       at.get(best, 0))
   return table
+
+
+def extensions(table: dict[str, Any], measured: dict[str, Any],
+               chosen: dict[tuple[str, str, str, str], list[int]]) -> int:
+  """Adds to `chosen` the next ladder position past each optimum found at the edge of
+  its sweep; returns how many it added (0: every optimum is bracketed or at a ladder's
+  end)."""
+  positions, ladder, added = _knob_positions(measured), ladders(measured), 0
+  for key, tried in chosen.items():
+    mix, arrival, load, line = key
+    entry = table[mix][arrival][load][line]
+    best = positions[line][entry["best_knob"]]
+    step = -1 if best == min(tried) else 1 if best == max(tried) else 0
+    if step and 0 <= best + step < len(ladder[line]) and best + step not in tried:
+      tried.append(best + step)
+      added += 1
+  return added
 
 
 def _verdict(holds: bool | None, why: str = "") -> str:
@@ -297,7 +359,7 @@ def robustness(table: dict[str, Any], arrival: str, load: str) -> dict[str, Any]
   return out
 
 
-def claims(table: dict[str, Any]) -> list[dict[str, Any]]:
+def claims_of(table: dict[str, Any]) -> list[dict[str, Any]]:
   stated = []
   for mix in table:
     for arrival in table[mix]:
@@ -313,20 +375,35 @@ def claims(table: dict[str, Any]) -> list[dict[str, Any]]:
 def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
         setup: SimSetup = sim_setups.SETUPS[sim_setups.DEFAULT]) -> dict[str, Any]:
   """The study into `directory` (resumable) on `setup`; the record for study.json."""
-  measured = measure(scale, setup)
-  config, grid = cells(scale, setup, measured)
-  rows = sweep.run_sweep(config, grid, directory / "runs", show_progress=show_progress)
-  table = analyze(rows, measured)
+  measured = measure(scale, setup, directory / "measure", show_progress)
+  config = base(scale, setup)
+  chosen = {(mix, arrival, f"{load:g}x", line): first_knobs(scale, ladder)
+            for mix in scale.mixes for arrival in scale.arrivals for load in scale.loads
+            for line, ladder in ladders(measured).items()}
+  while True:
+    rows = sweep.run_sweep(config, cells(config, scale, measured, chosen), directory / "runs",
+                           show_progress=show_progress)
+    table = analyze(rows, measured)
+    if not scale.extend or not extensions(table, measured, chosen):
+      break
   robust = {arrival: {load: robustness(table, arrival, load)
                       for load in next(iter(table.values()))[arrival]}
             for arrival in next(iter(table.values()))}
   return dict(scale=dataclasses.asdict(scale), setup=setup.name, context=CONTEXT,
               rules=dict(slo=f"each mix's SLOs: {SLO_FACTOR:g}x its unloaded run's TTFT p99 "
-                             f"and median TPOT (unloaded: {UNLOADED:g}x its sustainable rate)",
-                         sustainable="requests/s finished with everything offered at once, "
-                                     "no line", knobs=knob_grid(scale, measured)),
+                             f"and median TPOT (unloaded: {UNLOADED:g}x its throughput with "
+                             "everything offered at once)",
+                         sustainable=f"the highest Poisson rate at which {ATTAINMENT:.0%} of "
+                                     "requests meet both SLOs with no line (search: grow "
+                                     "until it breaks, then bisect to "
+                                     f"{scale.tolerance:.0%})",
+                         knobs=ladders(measured),
+                         extend="each line's sweep extends along its ladder until its "
+                                "optimum is bracketed" if scale.extend else
+                                "each line's sweep is its ladder's middle values (not "
+                                "extended: an optimum at an edge is undecided)"),
               measured=measured, table=table, robustness=robust,
-              claims=claims(table), premises=rows[0]["premises"], rows=rows)
+              claims=claims_of(table), premises=rows[0]["premises"], rows=rows)
 
 
 def figures(record: dict[str, Any]):

@@ -39,3 +39,8 @@ def test_no_capacity_when_even_the_lowest_rate_breaks():
   assert capacity.rate is None and capacity.broken_at == pytest.approx(0.125)
   with pytest.raises(ValueError, match="starts inside"):
     claims.search_capacity(lambda rate: True, 0.0, max_rate=10.0)
+
+
+def test_the_downward_search_stops_without_a_floor():
+  capacity = claims.search_capacity(lambda rate: False, 1.0, max_rate=10.0)
+  assert capacity.rate is None and len(capacity.probes) <= 12

@@ -69,14 +69,25 @@ def test_a_small_run_states_its_thresholds_and_a_verdict_per_claim(tmp_path):
   scale = dataclasses.replace(line_study.SCALES["smoke"], num_requests=40, loads=(5,),
                               knobs=1)
   record = line_study.run(scale, tmp_path, show_progress=False)
+  again = line_study.run(scale, tmp_path, show_progress=False)  # resumed: nothing reruns
+  assert again["measured"] == record["measured"] and again["table"] == record["table"]
   for mix, measured in record["measured"].items():
-    assert measured["slo_ttft_s"] == pytest.approx(3 * measured["unloaded_ttft_p99_s"])
-    assert measured["slo_tpot_s"] == pytest.approx(3 * measured["unloaded_tpot_p50_s"])
+    assert measured["slo_ttft_s"] == pytest.approx(3 * measured["unloaded_ttft_p99_s"],
+                                                   abs=1e-4)
+    assert measured["slo_tpot_s"] == pytest.approx(3 * measured["unloaded_tpot_p50_s"],
+                                                   abs=1e-4)
+    # The sustainable rate is a capacity found by search: at it, 90% of requests meet
+    # both SLOs with no line; past its bracket, fewer do.
+    search = measured["capacity_search"]
+    probes = dict(search["probes"])
+    assert probes[search["rate"]] and measured["sustainable_requests_per_s"] == search["rate"]
+    if search["reached"]:
+      assert not probes[search["broken_at"]] and search["broken_at"] > search["rate"]
     by_line = record["table"][mix]["steady"]["5x"]
     assert set(by_line) == set(line_study.LINES)
   # Each run was judged by its mix's SLOs, and the rejected requests count against it.
   for row in record["rows"]:
-    assert row["cell"]["slo_ttft"] in {round(m["slo_ttft_s"], 4)
+    assert row["cell"]["slo_ttft"] in {m["slo_ttft_s"]
                                        for m in record["measured"].values()}
   assert len(record["claims"]) == 3 * len(record["measured"])
   for claim in record["claims"]:
@@ -89,8 +100,12 @@ def test_a_small_run_states_its_thresholds_and_a_verdict_per_claim(tmp_path):
   assert "SLO" in " ".join(text.get_text() for axes in bars.axes for text in axes.texts)
 
 
+MEASURED = {"sharegpt": dict(sustainable_requests_per_s=2.0, pool_tokens=10000, slo_ttft_s=1.0,
+                             slo_tpot_s=0.05)}
+
+
 def test_the_best_setting_is_bracketed_only_inside_a_sweep_of_three_or_more():
-  measured = {"sharegpt": dict(sustainable_requests_per_s=2.0)}
+  measured = MEASURED
 
   def rows(goodputs: dict[float, float]) -> list[dict]:
     return [{"cell": {**line_study.LINE_KEYS, "scheduler.admission": "watermark",
@@ -106,3 +121,29 @@ def test_the_best_setting_is_bracketed_only_inside_a_sweep_of_three_or_more():
   assert inside["best_knob"] == "0.15" and not inside["best_at_edge"]
   assert kv({0.0: 1.0, 0.15: 2.0, 0.3: 2.5})["best_at_edge"]  # rising at the top
   assert kv({0.0: 1.0, 0.15: 2.0})["best_at_edge"]  # two values bracket nothing
+
+
+def test_a_sweep_extends_along_its_ladder_until_its_optimum_is_bracketed():
+  kv = [0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]  # the KV line's ladder
+  assert [s["scheduler.watermark"] for s in line_study.ladders(MEASURED)["kv"]] == kv
+
+  def table(goodput) -> dict:
+    rows = [{"cell": {**line_study.LINE_KEYS, "scheduler.admission": "watermark",
+                      "scheduler.watermark": kv[i], "prompt_len": "lognormal:512:3000",
+                      "arrival_process": "poisson", "arrival_rate": "10"},
+             "metrics": {"goodput_requests_per_s": goodput(kv[i])}} for i in chosen[key]]
+    return line_study.analyze(rows, MEASURED)
+
+  key = ("sharegpt", "steady", "5x", "kv")
+  chosen = {key: line_study.first_knobs(line_study.SCALES["full"], kv)}
+  assert [kv[i] for i in chosen[key]] == [0.1, 0.15, 0.2, 0.3, 0.4]
+  peak = lambda w: -abs(w - 0.6)  # the optimum lies past the first sweep
+  rounds = 0
+  while line_study.extensions(table(peak), MEASURED, chosen):
+    rounds += 1
+  entry = table(peak)["sharegpt"]["steady"]["5x"]["kv"]
+  assert rounds == 3 and entry["best_knob"] == "0.6" and not entry["best_at_edge"]
+  # Rising to the ladder's end: nothing left to add, and the optimum is not bracketed.
+  chosen = {key: [8, 9, 10]}
+  assert line_study.extensions(table(lambda w: w), MEASURED, chosen) == 0
+  assert table(lambda w: w)["sharegpt"]["steady"]["5x"]["kv"]["best_at_edge"]
