@@ -241,6 +241,7 @@ NOTEBOOKS = [
     "matplotlib>=3.8",
     "nbformat>=5.9",
     "nbclient>=0.10",
+    "nbconvert>=7",  # CI renders the executed notebooks to HTML (tests/test_notebooks.py)
     "ipykernel>=6.29",
 ]
 

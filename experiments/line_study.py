@@ -411,7 +411,7 @@ def figures(record: dict[str, Any]):
   each mix, SLOs drawn; and each line's best goodput against the load."""
   import matplotlib.pyplot as plt
 
-  from experiments import plots  # noqa: F401  (the style)
+  from experiments import plots
 
   table, measured = record["table"], record["measured"]
   mixes = list(table)
@@ -436,14 +436,18 @@ def figures(record: dict[str, Any]):
       ax = axes[row, column]
       scale = 1e3 if metric == "tpot_p99_s" else 1.0
       values = [scale * by_line[line]["best"][metric] for line in lines]
-      ax.bar(range(len(lines)), values, color=[colours[line] for line in lines])
+      bars_ = ax.bar(range(len(lines)), values, color=[colours[line] for line in lines])
+      if column == 0:  # each line's best knob value, over its goodput bar
+        ax.bar_label(bars_, [by_line[line]["best_knob"].replace("None", "")
+                             for line in lines], fontsize=6, rotation=90, padding=2)
+        ax.margins(y=0.25)
       ax.set_xticks(range(len(lines)), lines, rotation=45, ha="right", fontsize=7)
       ax.set_ylabel(label, fontsize=8)
       ax.set_title(f"{mix}, {arrival}, {load}", fontsize=8)
       if slo:
-        ax.axhline(scale * measured[mix][slo], color="k", ls="--", lw=1)
-        ax.text(len(lines) - 0.5, scale * measured[mix][slo], " SLO", fontsize=7,
-                va="bottom", ha="right")
+        unit = "ms" if scale != 1.0 else "s"
+        plots.threshold(ax, scale * measured[mix][slo],
+                        f"SLO {scale * measured[mix][slo]:.3g} {unit}")
       ax.grid(axis="y", alpha=0.3)
   bars.suptitle(f"each line at its best setting (most goodput), {load} load\n{caption}",
                 fontsize=8)
@@ -458,11 +462,13 @@ def figures(record: dict[str, Any]):
         ys = [by_load[x][line]["best"]["goodput_requests_per_s"] for x in xs if line in by_load[x]]
         ax.plot([float(x.rstrip("x")) for x in xs], ys, styles[arrival_name], marker="o", ms=3,
                 color=colours[line], label=f"{line} ({arrival_name})")
+    plots.threshold(ax, 1.0, f"sustainable: {measured[mix]['sustainable_requests_per_s']:.2f} "
+                    "req/s", vertical=True)
     ax.set_xlabel("load (x the mix's sustainable rate)")
     ax.set_ylabel("goodput at the line's best setting (req/s)")
     ax.set_title(mix, fontsize=9)
     ax.grid(alpha=0.3)
-  axes[0, -1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+  plots.legend_outside(axes[0, -1])
   curves.suptitle(f"goodput against load, each line at its best setting\n{caption}",
                   fontsize=8)
   return bars, curves
