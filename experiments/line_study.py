@@ -351,8 +351,9 @@ def robustness(table: dict[str, Any], arrival: str, load: str) -> dict[str, Any]
     for mix in best:
       entry = table[mix][arrival][load][line]
       others = [best[m] for m in best if m != mix]
-      if others:
-        got = entry["by_knob"][others[0]]["goodput_requests_per_s"]
+      at_other = entry["by_knob"].get(others[0]) if others else None
+      if at_other is not None:  # (None: an extended sweep never ran the other's best here)
+        got = at_other["goodput_requests_per_s"]
         top = entry["best"]["goodput_requests_per_s"]
         loss[mix] = 0.0 if top == 0 else 1.0 - got / top
     out[line] = dict(best_knob=best, goodput_lost_retuned=loss)
