@@ -112,6 +112,7 @@ class Attempt:
   honoured_hint: bool = False  # that wait was the server's hint
   status: int | None = None  # HTTP status; None if no answer came
   hint_s: float | None = None  # the retry hint a rejection carried, None if none
+  reason: str | None = None  # a rejection's `x-kvpage-reject-reason`, None if unstated
 
 
 @dataclasses.dataclass
@@ -355,6 +356,7 @@ async def _send(client: aiohttp.ClientSession, config: LoadConfig, body: dict[st
       record.fail("http_error", f"HTTP {response.status}: {detail}")
       return
     attempt.hint_s = retry_hint_s(response.headers)
+    attempt.reason = response.headers.get("x-kvpage-reject-reason")
     plan = plan_retry(response.headers, retries_done, config.honor_retry_after)
     if plan.wait_s is None:
       record.fail("not_retried", f"HTTP {response.status}: {plan.reason}")

@@ -280,29 +280,6 @@ def started(flags_: Sequence[str], cores: set[int] | None) -> Iterator[Server]:
 
 
 # Loads.
-@contextlib.contextmanager
-def counting_reasons() -> Iterator[collections.Counter]:
-  """Counts the `x-kvpage-reject-reason` of every 429/503 the load client is answered.
-
-  `benchmarks.load_client` records each rejection's status, not the server's reason; it
-  calls `plan_retry` exactly once per rejection with the answer's headers, so wrapping
-  that call for the length of a run counts the reasons without changing what it does.
-  """
-  counts: collections.Counter = collections.Counter()
-  original = load_client.plan_retry
-
-  def plan(headers: Mapping[str, str], retries_done: int,
-           honor_retry_after: bool = True) -> load_client.RetryPlan:
-    counts[headers.get("x-kvpage-reject-reason", "unstated")] += 1
-    return original(headers, retries_done, honor_retry_after)
-
-  load_client.plan_retry = plan
-  try:
-    yield counts
-  finally:
-    load_client.plan_retry = original
-
-
 def num_requests(rate: float, seconds: float, least: int, most: int) -> int:
   """Requests in `seconds` of arrivals at `rate`, within [`least`, `most`]."""
   return min(most, max(least, round(rate * seconds)))
@@ -310,8 +287,10 @@ def num_requests(rate: float, seconds: float, least: int, most: int) -> int:
 
 def run_load(config: LoadConfig) -> tuple[LoadResult, dict[str, int]]:
   """One load; its result and its rejections by the server's reason."""
-  with counting_reasons() as reasons:
-    result = asyncio.run(load_client.run_load(config))
+  result = asyncio.run(load_client.run_load(config))
+  reasons = collections.Counter(attempt.reason or "unstated" for record in result.requests
+                                for attempt in record.attempts
+                                if attempt.status in load_client.RETRYABLE_STATUSES)
   return result, dict(sorted(reasons.items()))
 
 
