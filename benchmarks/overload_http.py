@@ -58,32 +58,15 @@ most. Prints a table and writes JSON (`--out`) with every premise: model config,
 lengths, pool, arrival process, rates, SLO rule and values, this machine, versions.
 """
 
-import asyncio
-import collections
-import contextlib
-import dataclasses
 import json
 import math
-import os
 import pathlib
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
-import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from benchmarks import load_client
-from benchmarks.load_client import LoadConfig, LoadResult
-from configs import scheduler as scheduler_defaults
-from experiments import claims, cli
-from kvpage import premises
+from benchmarks import overload_rules as rules
+from experiments import cli
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config (random weights); its file "
                             "and any --config.KEY=VALUE overrides go to every server.")
@@ -125,384 +108,38 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "The smallest end-to-end run (the tes
                            "default and wait:1, the throughput as the 1x rate.")
 _OUT = flags.DEFINE_string("out", "workdir/overload_http/result.json", "The JSON record.")
 
-# The rules, stated once (and recorded).
-UNLOADED = 0.05  # the unloaded run's rate, x the throughput with everything at once
-SLO_FACTOR = 3.0  # each SLO is this many times the unloaded run's figure
-ATTAINMENT = 0.9  # sustainable: this share of requests within both SLOs, with no line
-SEARCH_REACH = 8.0  # the capacity search stops at this many times the throughput
-MIN_SERVED = 0.30  # the bullet: at least this share of requests served
-WARMUP_REQUESTS = 16  # offered at once to each new server before its first clock
-# The smoke run: a small batch (fewer, cheaper programs to compile), a few dozen requests.
-SMOKE_SCHEDULER = dict(max_num_seqs=8, max_num_batched_tokens=256)
-SMOKE = dict(prompt_len=32, output_len=8, at_once_requests=16, unloaded_requests=6,
-             overload_s=1.0, min_requests=12, max_requests=24, seeds=1,
-             lines=["default", "wait:1"], capacity="at_once", low_load=1.0,
-             warmup_requests=4)
-# The no-line server: every line of configs/scheduler.py off.
-NO_LINE = {"admission": "queue_only", "max_waiting": 0, "rate_limit": 0.0,
-           "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_wait_s": 0.0}
-# The parts of a line: wait:F (x the TTFT SLO, seconds), tokens:F (x a full running
-# batch's tokens), step_tokens:N (a step's token budget; batching, not admission).
-PART_KEYS = {"wait": "max_forecast_wait_s", "tokens": "max_inflight_tokens",
-             "step_tokens": "max_num_batched_tokens"}
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-  """One benchmark run's sizes (the flags, or the smoke run's)."""
-
-  overrides: tuple[str, ...]  # --config.KEY=VALUE flags for every server
-  prompt_len: int
-  output_len: int
-  at_once_requests: int
-  unloaded_requests: int
-  overload_s: float
-  min_requests: int
-  max_requests: int
-  seeds: int
-  lines: list[str]
-  capacity: str
-  low_load: float
-  warmup_requests: int = WARMUP_REQUESTS
-
-
-# Lines.
-def line_settings(line: str, slo_ttft_s: float, batch_tokens: int) -> dict[str, Any]:
-  """The scheduler keys a line sets over the shipped defaults (`none`: every line off);
-  parts joined by `+` combine (`wait:0.25+step_tokens:256`)."""
-  if line == "default":
-    return {}
-  if line == "none":
-    return dict(NO_LINE)
-  settings: dict[str, Any] = {}
-  for part in line.split("+"):
-    kind, _, factor = part.partition(":")
-    try:
-      value = float(factor)
-    except ValueError:
-      value = math.nan
-    if (kind not in PART_KEYS or not 0 < value < math.inf or PART_KEYS[kind] in settings
-        or (kind == "step_tokens" and not value.is_integer())):
-      raise cli.UsageError(f"--lines: {line!r} is not default, none, or parts wait:F, "
-                           "tokens:F, step_tokens:N (F > 0, N a whole number) joined by +, "
-                           "each kind once")
-    settings[PART_KEYS[kind]] = (round(value * slo_ttft_s, 4) if kind == "wait" else
-                                 max(1, round(value * batch_tokens)) if kind == "tokens" else
-                                 int(value))
-  return settings
-
-
-def describe(settings: Mapping[str, Any]) -> str:
-  """A line's settings, short: `wait 0.0462 s, step tokens 256`."""
-  names = {"max_forecast_wait_s": ("wait ", " s"), "max_inflight_tokens": ("tokens ", ""),
-           "max_num_batched_tokens": ("step tokens ", "")}
-  if settings == NO_LINE:
-    return "no line"
-  return ", ".join(f"{names[key][0]}{value}{names[key][1]}" if key in names
-                   else f"{key}={value}" for key, value in settings.items()) or "shipped"
-
-
-def check_lines(lines: Sequence[str]) -> None:
-  """Refuses an unknown or repeated line before any server starts."""
-  if not lines:
-    raise cli.UsageError("--lines names no line")
-  if len(set(lines)) != len(lines):
-    raise cli.UsageError(f"--lines repeats a line: {list(lines)}")
-  for line in lines:
-    line_settings(line, 1.0, 1)
-
-
-# Servers.
-def core_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
-  """(server cores, client cores): the client on a core of its own, else None, None."""
-  if not pin or not hasattr(os, "sched_getaffinity"):
-    return None, None
-  cores = sorted(os.sched_getaffinity(0))
-  if len(cores) < 2:
-    return None, None
-  return set(cores[:-1]), {cores[-1]}
-
-
-class Server:
-  """`python -m experiments.serve` on 127.0.0.1, a free port, `cores`; stopped by `stop`."""
-
-  def __init__(self, flags_: Sequence[str], cores: set[int] | None, timeout_s: float = 600):
-    command = [sys.executable, "-m", "experiments.serve", "--host=127.0.0.1", "--port=0",
-               "--warmup_sampling=false", *flags_]
-    self.command = command
-    pin = None if cores is None else (lambda: os.sched_setaffinity(0, cores))
-    self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, preexec_fn=pin)
-    self.lines: list[str] = []
-    self.stderr: list[str] = []
-    threading.Thread(target=self.stderr.extend, args=(self.process.stderr,),
-                     daemon=True).start()
-    self.url, self.num_pages = "", 0
-    deadline = time.monotonic() + timeout_s
-    assert self.process.stdout is not None
-    try:
-      for line in self.process.stdout:
-        self.lines.append(line)
-        found = re.search(r" on (http://127\.0\.0\.1:\d+) .*?([\d,]+) KV pages", line)
-        if found:
-          self.url, self.num_pages = found.group(1), int(found.group(2).replace(",", ""))
-          break
-        if time.monotonic() > deadline:
-          break
-      if not self.url:
-        raise RuntimeError(f"the server did not listen ({' '.join(command)}):\n"
-                           f"{''.join(self.lines)}{''.join(self.stderr[-20:])}")
-    except BaseException:
-      self.stop()
-      raise
-    threading.Thread(target=self.lines.extend, args=(self.process.stdout,),
-                     daemon=True).start()
-
-  def stop(self, timeout_s: float = 60) -> int:
-    """SIGTERM (a drain), then a kill if it has not exited within `timeout_s`."""
-    if self.process.poll() is None:
-      self.process.send_signal(signal.SIGTERM)
-    try:
-      return self.process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-      self.process.kill()
-      return self.process.wait()
-
-
-@contextlib.contextmanager
-def started(flags_: Sequence[str], cores: set[int] | None) -> Iterator[Server]:
-  """A server for the length of the block, stopped however the block ends."""
-  server = Server(flags_, cores)
-  try:
-    yield server
-  finally:
-    server.stop()
-
-
-# Loads.
-def num_requests(rate: float, seconds: float, least: int, most: int) -> int:
-  """Requests in `seconds` of arrivals at `rate`, within [`least`, `most`]."""
-  return min(most, max(least, round(rate * seconds)))
-
-
-def run_load(config: LoadConfig) -> tuple[LoadResult, dict[str, int]]:
-  """One load; its result and its rejections by the server's reason."""
-  result = asyncio.run(load_client.run_load(config))
-  reasons = collections.Counter(attempt.reason or "unstated" for record in result.requests
-                                for attempt in record.attempts
-                                if attempt.status in load_client.RETRYABLE_STATUSES)
-  return result, dict(sorted(reasons.items()))
-
-
-def _percentile(values: Sequence[float], q: float) -> float | None:
-  return float(np.percentile(values, q)) if values else None
-
-
-def figures(result: LoadResult, reasons: Mapping[str, int],
-            slos: Mapping[str, float] | None = None) -> dict[str, Any]:
-  """A run's figures: served fraction, TTFT p50/p95/p99 and TPOT p50 of the served
-  requests, rejections by status and reason, other failures; with `slos`, the share of
-  all requests served within both SLOs (goodput fraction)."""
-  summary = load_client.summarize(result)
-  served = [r for r in result.requests if r.outcome == "served"]
-  ttfts = [r.ttft_s for r in served if r.ttft_s is not None]
-  tpots = [r.tpot_s for r in served if r.tpot_s is not None]
-  total = len(result.requests)
-  row = dict(num_requests=total, served=len(served), served_fraction=len(served) / total,
-             ttft_p50_s=_percentile(ttfts, 50), ttft_p95_s=_percentile(ttfts, 95),
-             ttft_p99_s=_percentile(ttfts, 99), tpot_p50_s=_percentile(tpots, 50),
-             rejections=summary["rejections"], rejection_reasons=dict(reasons),
-             num_rejections=summary["num_rejections"], failures=summary["failures"],
-             unfinished=summary["unfinished"], wall_s=result.wall_s,
-             served_per_s=len(served) / result.wall_s if result.wall_s > 0 else None,
-             output_tokens_per_s=summary["output_tokens_per_s"])
-  if slos is not None:
-    good = sum(r.ttft_s is not None and r.ttft_s <= slos["ttft_s"]
-               and (r.tpot_s is None or r.tpot_s <= slos["tpot_s"]) for r in served)
-    row["goodput_fraction"] = good / total
-  return row
-
-
-class Loads:
-  """Loads against servers, each run with seeds never used before on the same server."""
-
-  def __init__(self, settings: Settings, vocab_size: int):
-    self.settings = settings
-    self.vocab_size = vocab_size
-    self._next_seed: dict[str, int] = {}
-
-  def config(self, server: Server, *, rate: float, count: int, seed: int) -> LoadConfig:
-    return LoadConfig(url=server.url, num_requests=count, request_rate=rate,
-                      prompt_len=self.settings.prompt_len, output_len=self.settings.output_len,
-                      min_token_id=1, max_token_id=self.vocab_size, ignore_eos=True,
-                      temperature=0.0, seed=seed, max_retries=_MAX_RETRIES.value,
-                      timeout_s=_TIMEOUT_S.value)
-
-  def fresh_seed(self, server: Server) -> int:
-    """A seed this server has not seen (1000 up: the overload runs use 0..seeds-1)."""
-    seed = self._next_seed.get(server.url, 1000)
-    self._next_seed[server.url] = seed + 1
-    return seed
-
-  def run(self, server: Server, *, rate: float, count: int, seed: int | None = None,
-          slos: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """`count` requests at `rate` (Poisson; inf = at once); the figures, with the
-    settings."""
-    seed = self.fresh_seed(server) if seed is None else seed
-    result, reasons = run_load(self.config(server, rate=rate, count=count, seed=seed))
-    return dict(rate=rate, seed=seed, **figures(result, reasons, slos))
-
-  def warm(self, server: Server) -> None:
-    """A few requests at once, before any clock: connections opened, steps priced."""
-    self.run(server, rate=math.inf, count=self.settings.warmup_requests)
-
-
-# The rules.
-def measure_no_line(loads: Loads, server: Server, settings: Settings,
-                    tolerance: float, probe_s: float) -> dict[str, Any]:
-  """Throughput with everything at once, the SLOs from an unloaded run, and the
-  sustainable (1x) rate, all on the no-line server."""
-  at_once = loads.run(server, rate=math.inf, count=settings.at_once_requests)
-  throughput = at_once["served"] / at_once["wall_s"]
-  unloaded_rate = UNLOADED * throughput
-  unloaded = loads.run(server, rate=unloaded_rate, count=settings.unloaded_requests)
-  slos = dict(ttft_s=round(SLO_FACTOR * unloaded["ttft_p99_s"], 4),
-              tpot_s=round(SLO_FACTOR * unloaded["tpot_p50_s"], 4))
-  probes: list[dict[str, Any]] = []
-  measured = dict(throughput_at_once_per_s=throughput, at_once=at_once,
-                  unloaded_rate_per_s=unloaded_rate, unloaded=unloaded,
-                  slo_ttft_s=slos["ttft_s"], slo_tpot_s=slos["tpot_s"],
-                  capacity_rule=settings.capacity, probes=probes)
-  if settings.capacity == "at_once":
-    measured["sustainable_per_s"] = throughput
-    return measured
-
-  def meets(rate: float) -> bool:
-    row = loads.run(server, rate=rate, count=num_requests(rate, probe_s, settings.min_requests,
-                                                   settings.max_requests),
-                    slos=slos)
-    probes.append(row)
-    print(f"  capacity probe {rate:7.2f} req/s: {row['goodput_fraction']:.0%} within both "
-          f"SLOs", flush=True)
-    return row["goodput_fraction"] >= ATTAINMENT
-
-  found = claims.search_capacity(meets, throughput, max_rate=SEARCH_REACH * throughput,
-                                 min_rate=unloaded_rate, relative_tolerance=tolerance)
-  measured["capacity_search"] = found.to_dict()
-  measured["sustainable_per_s"] = found.rate or unloaded_rate
-  return measured
-
-
-def spread(runs: Sequence[Mapping[str, Any]], key: str) -> dict[str, float | None]:
-  """Mean, min and max of a figure over runs (None where a run has none)."""
-  values = [run[key] for run in runs if run.get(key) is not None]
-  if not values:
-    return dict(mean=None, min=None, max=None)
-  return dict(mean=float(np.mean(values)), min=float(min(values)), max=float(max(values)))
-
-
-def meets_bullet(run: Mapping[str, Any], slo_ttft_s: float,
-                 min_served: float = MIN_SERVED) -> bool:
-  """One run meets the bullet: its served TTFT p95 within the SLO, enough served."""
-  p95 = run["ttft_p95_s"]
-  return p95 is not None and p95 <= slo_ttft_s and run["served_fraction"] >= min_served
-
-
-def judge(lines: Mapping[str, Mapping[str, Any]], slo_ttft_s: float,
-          min_served: float = MIN_SERVED) -> dict[str, Any]:
-  """The verdict, from the lines' own runs: which lines meet the bullet in every seed,
-  whether the default does, and the recommended default (the holding `wait` line that
-  refused nothing at low load, serving the most on average; None if there is none)."""
-  holding = {name: all(meets_bullet(run, slo_ttft_s, min_served) for run in line["runs"])
-             and bool(line["runs"]) for name, line in lines.items()}
-  quiet = {name: line.get("low_load") is not None and line["low_load"]["num_rejections"] == 0
-           for name, line in lines.items()}
-  candidates = [name for name in lines if name.startswith("wait:") and "+" not in name
-                and holding[name] and quiet[name]]
-  served = lambda name: float(np.mean([run["served_fraction"] for run in lines[name]["runs"]]))
-  recommended = max(candidates, key=lambda name: (served(name), name), default=None)
-  return dict(
-      criterion=f"TTFT p95 of served requests <= {slo_ttft_s} s and served >= "
-                f"{min_served:.0%}, in every seed",
-      default_holds=holding.get("default"), holds=holding, quiet_at_low_load=quiet,
-      recommended=recommended,
-      recommended_max_forecast_wait_s=(
-          lines[recommended]["settings"]["max_forecast_wait_s"] if recommended else None))
-
-
-# The report.
-def _ms(value: float | None) -> str:
-  return "n/a" if value is None else f"{1000 * value:.0f}"
-
-
-def _range(figure: Mapping[str, float | None], scale: float = 1000.0, spec: str = ".0f") -> str:
-  values = [figure[k] for k in ("mean", "min", "max")]
-  if any(value is None for value in values):
-    return "n/a"
-  mean, low, high = (format(scale * value, spec) for value in values if value is not None)
-  return mean if low == high else f"{mean} ({low}-{high})"
-
-
-def table(record: Mapping[str, Any]) -> str:
-  """The lines at the overload: means over seeds, (min-max) where they differ."""
-  measured, overload = record["measured"], record["overload"]
-  lines = [
-      f"overload_http: {overload['load']:g}x = {overload['rate_per_s']:.2f} req/s "
-      f"(1x = {measured['sustainable_per_s']:.2f} req/s by rule '{measured['capacity_rule']}'; "
-      f"at once {measured['throughput_at_once_per_s']:.2f} req/s), "
-      f"{overload['num_requests']} requests x {len(overload['seeds'])} seeds; "
-      f"TTFT SLO {1000 * measured['slo_ttft_s']:.0f} ms, TPOT SLO "
-      f"{1000 * measured['slo_tpot_s']:.1f} ms",
-      f"{'line':<24} {'setting':<30} {'served %':>14} {'TTFT p50 ms':>15} "
-      f"{'TTFT p95 ms':>17} {'TTFT p99 ms':>17} {'TPOT p50 ms':>12} {'rejections':<28} "
-      f"{'meets':>5} {'low-load rej.':>13}"]
-  verdict = record["verdict"]
-  for name, line in record["lines"].items():
-    setting = describe(line["settings"])
-    reasons = collections.Counter[str]()
-    for run in line["runs"]:
-      reasons.update(run["rejection_reasons"])
-    low = line.get("low_load")
-    lines.append(
-        f"{name:<24} {setting:<30} {_range(line['summary']['served_fraction'], 100):>14} "
-        f"{_range(line['summary']['ttft_p50_s']):>15} {_range(line['summary']['ttft_p95_s']):>17} "
-        f"{_range(line['summary']['ttft_p99_s']):>17} "
-        f"{_range(line['summary']['tpot_p50_s'], spec='.1f'):>12} "
-        f"{', '.join(f'{k}: {v}' for k, v in reasons.items()) or 'none':<28} "
-        f"{'yes' if verdict['holds'][name] else 'no':>5} "
-        f"{'n/a' if low is None else low['num_rejections']:>13}")
-  lines.append(f"verdict: {verdict['criterion']}: default "
-               f"{'holds' if verdict['default_holds'] else 'fails'}; recommended default: "
-               + (f"max_forecast_wait_s={verdict['recommended_max_forecast_wait_s']} "
-                  f"({verdict['recommended']})" if verdict["recommended"] else "none"))
-  return "\n".join(lines)
-
 
 # The command.
-def settings_from_flags() -> Settings:
+def settings_from_flags() -> rules.Settings:
   """The run's sizes; `--config.KEY=VALUE` overrides travel to the servers as given."""
   overrides = tuple(flags.FLAGS[name].serialize() for name in flags.FLAGS
                     if name.startswith("config.") and flags.FLAGS[name].present)
+  common = dict(config_file=config_flags.get_config_filename(flags.FLAGS["config"]),
+                load=_LOAD.value, kv_memory_gib=_KV_GIB.value, probe_s=_PROBE_S.value,
+                tolerance=_TOLERANCE.value, max_retries=_MAX_RETRIES.value,
+                timeout_s=_TIMEOUT_S.value, pin=_PIN.value,
+                compilation_cache=_COMPILATION_CACHE.value, smoke=_SMOKE.value)
   if _SMOKE.value:
-    smoke = tuple(f"--config.scheduler.{key}={value}" for key, value in SMOKE_SCHEDULER.items())
-    return Settings(overrides=overrides + smoke, **SMOKE)  # type: ignore[arg-type]
-  return Settings(overrides=overrides, prompt_len=_PROMPT_LEN.value,
-                  output_len=_OUTPUT_LEN.value, at_once_requests=_AT_ONCE.value,
-                  unloaded_requests=_UNLOADED.value, overload_s=_OVERLOAD_S.value,
-                  min_requests=_MIN_REQUESTS.value, max_requests=_MAX_REQUESTS.value,
-                  seeds=_SEEDS.value, lines=_LINES.value, capacity=_CAPACITY.value,
-                  low_load=_LOW_LOAD.value)
+    smoke = tuple(f"--config.scheduler.{key}={value}"
+                  for key, value in rules.SMOKE_SCHEDULER.items())
+    return rules.Settings(overrides=overrides + smoke, **common,  # type: ignore[arg-type]
+                          **rules.SMOKE)
+  return rules.Settings(overrides=overrides, **common, prompt_len=_PROMPT_LEN.value,
+                        output_len=_OUTPUT_LEN.value, at_once_requests=_AT_ONCE.value,
+                        unloaded_requests=_UNLOADED.value, overload_s=_OVERLOAD_S.value,
+                        min_requests=_MIN_REQUESTS.value, max_requests=_MAX_REQUESTS.value,
+                        seeds=_SEEDS.value, lines=_LINES.value, capacity=_CAPACITY.value,
+                        low_load=_LOW_LOAD.value)
 
 
-def check_settings(settings: Settings) -> None:
-  check_lines(settings.lines)
+def check_settings(settings: rules.Settings) -> None:
+  rules.check_lines(settings.lines)
   for name in ("prompt_len", "output_len", "at_once_requests", "unloaded_requests", "seeds",
                "min_requests", "max_requests"):
     if getattr(settings, name) < 1:
       raise cli.UsageError(f"--{name} must be at least 1, got {getattr(settings, name)}")
-  for name, value in (("load", _LOAD.value), ("overload_s", settings.overload_s),
-                      ("kv_memory_gib", _KV_GIB.value), ("probe_s", _PROBE_S.value),
-                      ("tolerance", _TOLERANCE.value), ("timeout_s", _TIMEOUT_S.value)):
+  for name in ("load", "overload_s", "kv_memory_gib", "probe_s", "tolerance", "timeout_s"):
+    value = getattr(settings, name)
     if not 0 < value < math.inf:
       raise cli.UsageError(f"--{name} must be positive and finite, got {value}")
   if settings.max_requests < settings.min_requests:
@@ -512,128 +149,19 @@ def check_settings(settings: Settings) -> None:
     raise cli.UsageError(f"--low_load must be >= 0 (0 = skip), got {settings.low_load}")
 
 
-def run_benchmark(settings: Settings, config: Any, progress: Callable[[str], None] = print
-                  ) -> dict[str, Any]:
-  """Measures the rules on the no-line server, then every line; the record."""
-  config_file = config_flags.get_config_filename(flags.FLAGS["config"])
-  server_cores, client_cores = core_split(_PIN.value)
-  if client_cores is not None:  # the load client (this process) on its own core
-    os.sched_setaffinity(0, client_cores)
-  shared = [f"--config={config_file}", *settings.overrides, "--num_pages=0",
-            f"--config.cache.kv_memory_gib={_KV_GIB.value}",
-            f"--compilation_cache={_COMPILATION_CACHE.value}"]
-  scheduler = config.scheduler
-  batch_tokens = scheduler.max_num_seqs * (settings.prompt_len + settings.output_len)
-  loads = Loads(settings, config.model.vocab_size)
-
-  def line_flags(values: Mapping[str, Any]) -> list[str]:
-    return [*shared, *(f"--config.scheduler.{key}={value}" for key, value in values.items())]
-
-  started_at = time.time()
-  with started(line_flags(NO_LINE), server_cores) as base:
-    progress(f"no-line server on {base.url}: {base.num_pages:,} KV pages")
-    loads.warm(base)
-    measured = measure_no_line(loads, base, settings, _TOLERANCE.value, _PROBE_S.value)
-    progress(f"throughput at once {measured['throughput_at_once_per_s']:.2f} req/s; SLOs "
-             f"TTFT {measured['slo_ttft_s']} s, TPOT {measured['slo_tpot_s']} s; 1x = "
-             f"{measured['sustainable_per_s']:.2f} req/s")
-    num_pages = base.num_pages
-    server_models = asyncio.run(_models(base.url))
-    rate = _LOAD.value * measured["sustainable_per_s"]
-    count = num_requests(rate, settings.overload_s, settings.min_requests,
-                         settings.max_requests)
-    low_rate = settings.low_load * measured["sustainable_per_s"]
-    low_count = num_requests(low_rate, settings.overload_s, settings.min_requests,
-                             settings.max_requests)
-    seeds = list(range(settings.seeds))
-
-    def run_line(server: Server) -> dict[str, Any]:
-      loads.warm(server)
-      low = (loads.run(server, rate=low_rate, count=low_count) if settings.low_load
-             else None)
-      runs = [loads.run(server, rate=rate, count=count, seed=seed) for seed in seeds]
-      return dict(low_load=low, runs=runs)
-
-    lines: dict[str, Any] = {}
-    if "none" in settings.lines:  # the no-line server is that line's server
-      lines["none"] = run_line(base)
-  for name in settings.lines:
-    values = line_settings(name, measured["slo_ttft_s"], batch_tokens)
-    if name != "none":
-      with started(line_flags(values), server_cores) as server:
-        lines[name] = run_line(server)
-    lines[name]["settings"] = values
-    lines[name]["summary"] = {key: spread(lines[name]["runs"], key) for key in (
-        "served_fraction", "ttft_p50_s", "ttft_p95_s", "ttft_p99_s", "tpot_p50_s",
-        "num_rejections")}
-    summary = lines[name]["summary"]
-    progress(f"{name}: served {100 * summary['served_fraction']['mean']:.0f}%, TTFT p95 "
-             f"{_ms(summary['ttft_p95_s']['mean'])} ms (SLO {_ms(measured['slo_ttft_s'])} ms)")
-  lines = {name: lines[name] for name in settings.lines}
-  defaults = scheduler_defaults.get_scheduler_config()
-  record = dict(
-      benchmark="overload_http", smoke=_SMOKE.value,
-      measured=measured,
-      overload=dict(load=_LOAD.value, rate_per_s=rate, num_requests=count, seeds=seeds,
-                    low_load=settings.low_load, low_load_rate_per_s=low_rate,
-                    low_load_num_requests=low_count, arrival_process="poisson"),
-      lines=lines,
-      verdict=judge(lines, measured["slo_ttft_s"]),
-      rules=dict(unloaded=f"Poisson at {UNLOADED}x the throughput with everything at once",
-                 slo=f"{SLO_FACTOR}x the unloaded run's TTFT p99 and median TPOT, at the "
-                     "client over HTTP",
-                 sustainable=(f"highest Poisson rate at which {ATTAINMENT:.0%} of requests "
-                              "meet both SLOs with no line (claims.search_capacity)"
-                              if settings.capacity == "search" else
-                              "the throughput with everything at once"),
-                 min_served_fraction=MIN_SERVED, warmup_requests=settings.warmup_requests),
-      premises=dict(
-          config=config_file, overrides=list(settings.overrides), model=config.model.to_dict(),
-          dtype=config.model.dtype, kv_dtype=config.cache.kv_dtype,
-          prompt_len=settings.prompt_len, output_len=settings.output_len, ignore_eos=True,
-          temperature=0.0, kv_memory_gib=_KV_GIB.value, num_pages=num_pages,
-          page_size=config.cache.page_size,
-          pages_per_request=math.ceil((settings.prompt_len + settings.output_len)
-                                      / config.cache.page_size),
-          full_batch_tokens=batch_tokens, max_retries=_MAX_RETRIES.value,
-          shipped_scheduler=defaults.to_dict(), scheduler=scheduler.to_dict(),
-          server_models=server_models, server_cores=sorted(server_cores or []),
-          client_cores=sorted(client_cores or []), wall_s=time.time() - started_at,
-          **premises.environment()))
-  return record
-
-
-def plain(value: Any) -> Any:
-  """`value` with every non-finite float as a string (JSON has no infinity)."""
-  if isinstance(value, float) and not math.isfinite(value):
-    return str(value)
-  if isinstance(value, dict):
-    return {key: plain(item) for key, item in value.items()}
-  if isinstance(value, (list, tuple)):
-    return [plain(item) for item in value]
-  return value
-
-
-async def _models(url: str) -> Any:
-  import aiohttp
-
-  async with aiohttp.ClientSession(trust_env=False) as client, client.get(
-      url + "/v1/models") as response:
-    return await response.json(content_type=None)
-
-
 def main(argv: list[str]) -> None:
   del argv  # Unused.
   config = cli.load_config(_CONFIG)
   settings = settings_from_flags()
   check_settings(settings)
   if _SMOKE.value:  # the same config here (premises) as in the servers
-    config.scheduler.update(SMOKE_SCHEDULER)
+    config.scheduler.update(rules.SMOKE_SCHEDULER)
   output = pathlib.Path(_OUT.value)
   with cli.workdir(str(output.parent)) as directory:
-    record = run_benchmark(settings, config, progress=lambda line: print(line, flush=True))
-    print(table(record))
-    cli.write_files(directory, {output.name: json.dumps(plain(record), indent=2,
+    record = rules.run_benchmark(settings, config,
+                                 progress=lambda line: print(line, flush=True))
+    print(rules.table(record))
+    cli.write_files(directory, {output.name: json.dumps(rules.plain(record), indent=2,
                                                         allow_nan=False)})
   print(f"wrote {output}")
 

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("uvicorn")
 
-from benchmarks import overload_http  # after the skips: it imports aiohttp
+from benchmarks import overload_rules  # after the skips: it imports aiohttp
 from experiments import cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def test_the_record_names_its_premises_and_rules(record):
   premises = record["premises"]
   assert premises["config"] == "configs/tiny.py" and premises["dtype"] == "fp32"
   assert (premises["prompt_len"], premises["output_len"]) == (32, 8)
-  assert premises["scheduler"]["max_num_seqs"] == overload_http.SMOKE_SCHEDULER["max_num_seqs"]
+  assert premises["scheduler"]["max_num_seqs"] == overload_rules.SMOKE_SCHEDULER["max_num_seqs"]
   assert "--config.scheduler.max_num_seqs=8" in premises["overrides"]
   # The pool is what --kv_memory_gib holds, far more pages than a request needs.
   assert premises["num_pages"] > 100 * premises["pages_per_request"]
@@ -91,7 +91,7 @@ def test_every_line_reports_its_runs(record):
 def test_the_verdict_is_computed_from_the_records_own_numbers(record):
   slo = record["measured"]["slo_ttft_s"]
   verdict = record["verdict"]
-  assert verdict == overload_http.judge(record["lines"], slo)
+  assert verdict == overload_rules.judge(record["lines"], slo)
   for name, line in record["lines"].items():  # and by hand, from the runs' figures
     holds = all(run["ttft_p95_s"] is not None and run["ttft_p95_s"] <= slo
                 and run["served_fraction"] >= 0.3 for run in line["runs"])
@@ -118,14 +118,14 @@ def test_judge_holds_only_in_every_seed_and_recommends_a_quiet_wait_line():
       "tokens:1": _line([_run(0.05, 0.9)]),  # holds, but is not stated in seconds
       "wait:1+step_tokens:256": _line([_run(0.05, 0.9)], wait=0.1),  # not the wait alone
   }
-  verdict = overload_http.judge(lines, slo_ttft_s=0.1)
+  verdict = overload_rules.judge(lines, slo_ttft_s=0.1)
   assert verdict["holds"] == {"default": False, "wait:0.5": True, "wait:1": True,
                               "wait:2": False, "wait:0.7": False, "tokens:1": True,
                               "wait:1+step_tokens:256": True}
   assert verdict["default_holds"] is False
   assert verdict["quiet_at_low_load"]["wait:0.5"] is False
   assert (verdict["recommended"], verdict["recommended_max_forecast_wait_s"]) == ("wait:1", 0.1)
-  assert overload_http.judge({"default": _line([_run(None, 0.0)])}, 0.1)["recommended"] is None
+  assert overload_rules.judge({"default": _line([_run(None, 0.0)])}, 0.1)["recommended"] is None
 
 
 @pytest.mark.parametrize("line, settings", [
@@ -135,7 +135,7 @@ def test_judge_holds_only_in_every_seed_and_recommends_a_quiet_wait_line():
     ("none", {"admission": "queue_only", "max_waiting": 0, "rate_limit": 0.0,
               "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_wait_s": 0.0})])
 def test_lines_parse_into_scheduler_settings(line, settings):
-  assert overload_http.line_settings(line, slo_ttft_s=0.1, batch_tokens=100) == settings
+  assert overload_rules.line_settings(line, slo_ttft_s=0.1, batch_tokens=100) == settings
 
 
 @pytest.mark.parametrize("lines", [["wait"], ["wait:0"], ["tokens:-1"], ["kv"], ["wait:inf"],
@@ -143,11 +143,11 @@ def test_lines_parse_into_scheduler_settings(line, settings):
                                    ["default", "default"], []])
 def test_bad_lines_are_refused_before_any_server_starts(lines):
   with pytest.raises(cli.UsageError):
-    overload_http.check_lines(lines)
+    overload_rules.check_lines(lines)
 
 
 def test_request_counts_stay_in_bounds():
-  assert overload_http.num_requests(100.0, 20.0, 40, 2000) == 2000
-  assert overload_http.num_requests(1.0, 20.0, 40, 2000) == 40
-  assert overload_http.num_requests(10.0, 20.0, 40, 2000) == 200
-  assert overload_http.plain({"a": [math.inf, 1.0]}) == {"a": ["inf", 1.0]}
+  assert overload_rules.num_requests(100.0, 20.0, 40, 2000) == 2000
+  assert overload_rules.num_requests(1.0, 20.0, 40, 2000) == 40
+  assert overload_rules.num_requests(10.0, 20.0, 40, 2000) == 200
+  assert overload_rules.plain({"a": [math.inf, 1.0]}) == {"a": ["inf", 1.0]}
