@@ -45,7 +45,9 @@ p95 of what it served is within the TTFT SLO and it served at least 30% of reque
 
 Lines (`--lines`): `default` (configs/scheduler.py as it stands: nothing overridden but
 the pool), `none` (the no-line server above), `wait:F` (the default plus
-`max_forecast_wait_s` = F x the TTFT SLO, in seconds), `tokens:F` (the default plus
+`max_forecast_ttft_s` = F x the TTFT SLO, in seconds), `slowdown:S` (the default plus
+`max_ttft_slowdown` = S: each request refused when its forecast first token comes later
+than S x its own on an idle engine), `tokens:F` (the default plus
 `max_inflight_tokens` = F x max_num_seqs x (prompt + output): the tokens of a full
 running batch), and parts joined by `+`, which may also name `step_tokens:N` (the
 default plus `max_num_batched_tokens` = N: a step's token budget, a batching knob that
@@ -83,10 +85,11 @@ _OVERLOAD_S = flags.DEFINE_float("overload_s", 20.0, "Seconds of arrivals per ru
 _MIN_REQUESTS = flags.DEFINE_integer("min_requests", 40, "The fewest requests of a run.")
 _MAX_REQUESTS = flags.DEFINE_integer("max_requests", 2000, "The most requests of a run.")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Overload runs per line, seeds 0..N-1.")
-_LINES = flags.DEFINE_list("lines", ["default", "none", "wait:0.1", "wait:0.25", "wait:0.5",
-                                     "wait:1", "wait:2", "tokens:0.25", "tokens:0.5", "tokens:1",
-                                     "wait:0.25+step_tokens:256"],
+_LINES = flags.DEFINE_list("lines", ["default", "none", "wait:0.25", "wait:0.5", "wait:1",
+                                     "slowdown:3", "slowdown:4", "slowdown:6", "slowdown:10",
+                                     "tokens:0.25", "wait:0.25+step_tokens:256"],
                            "Lines to run: default, none, wait:F (x the TTFT SLO), "
+                           "slowdown:S (x each request's idle TTFT), "
                            "tokens:F (x a full running batch's tokens), or parts joined "
                            "by + (also step_tokens:N, a step's token budget).")
 _CAPACITY = flags.DEFINE_enum("capacity", "search", ["search", "at_once"],

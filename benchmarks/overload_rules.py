@@ -41,11 +41,13 @@ SMOKE = dict(prompt_len=32, output_len=8, at_once_requests=16, unloaded_requests
              warmup_requests=4)
 # The no-line server: every line of configs/scheduler.py off.
 NO_LINE = {"admission": "queue_only", "max_waiting": 0, "rate_limit": 0.0,
-           "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_wait_s": 0.0}
+           "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_ttft_s": 0.0,
+           "max_ttft_slowdown": 0.0}
 # The parts of a line: wait:F (x the TTFT SLO, seconds), tokens:F (x a full running
-# batch's tokens), step_tokens:N (a step's token budget; batching, not admission).
-PART_KEYS = {"wait": "max_forecast_wait_s", "tokens": "max_inflight_tokens",
-             "step_tokens": "max_num_batched_tokens"}
+# batch's tokens), step_tokens:N (a step's token budget; batching, not admission),
+# slowdown:S (max_ttft_slowdown: S x each request's own idle time to first token).
+PART_KEYS = {"wait": "max_forecast_ttft_s", "tokens": "max_inflight_tokens",
+             "step_tokens": "max_num_batched_tokens", "slowdown": "max_ttft_slowdown"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,20 +95,23 @@ def line_settings(line: str, slo_ttft_s: float, batch_tokens: int) -> dict[str, 
     except ValueError:
       value = math.nan
     if (kind not in PART_KEYS or not 0 < value < math.inf or PART_KEYS[kind] in settings
-        or (kind == "step_tokens" and not value.is_integer())):
+        or (kind == "step_tokens" and not value.is_integer())
+        or (kind == "slowdown" and value < 1)):
       raise cli.UsageError(f"--lines: {line!r} is not default, none, or parts wait:F, "
-                           "tokens:F, step_tokens:N (F > 0, N a whole number) joined by +, "
+                           "tokens:F, step_tokens:N, slowdown:S (F > 0, N a whole number, S >= 1) "
+                           "joined by +, "
                            "each kind once")
     settings[PART_KEYS[kind]] = (round(value * slo_ttft_s, 4) if kind == "wait" else
                                  max(1, round(value * batch_tokens)) if kind == "tokens" else
-                                 int(value))
+                                 value if kind == "slowdown" else int(value))
   return settings
 
 
 def describe(settings: Mapping[str, Any]) -> str:
   """A line's settings, short: `wait 0.0462 s, step tokens 256`."""
-  names = {"max_forecast_wait_s": ("wait ", " s"), "max_inflight_tokens": ("tokens ", ""),
-           "max_num_batched_tokens": ("step tokens ", "")}
+  names = {"max_forecast_ttft_s": ("wait ", " s"), "max_inflight_tokens": ("tokens ", ""),
+           "max_num_batched_tokens": ("step tokens ", ""),
+           "max_ttft_slowdown": ("slowdown ", "x")}
   if settings == NO_LINE:
     return "no line"
   return ", ".join(f"{names[key][0]}{value}{names[key][1]}" if key in names
@@ -336,8 +341,8 @@ def judge(lines: Mapping[str, Mapping[str, Any]], slo_ttft_s: float,
                 f"{min_served:.0%}, in every seed",
       default_holds=holding.get("default"), holds=holding, quiet_at_low_load=quiet,
       recommended=recommended,
-      recommended_max_forecast_wait_s=(
-          lines[recommended]["settings"]["max_forecast_wait_s"] if recommended else None))
+      recommended_max_forecast_ttft_s=(
+          lines[recommended]["settings"]["max_forecast_ttft_s"] if recommended else None))
 
 
 # The report.
@@ -383,7 +388,7 @@ def table(record: Mapping[str, Any]) -> str:
         f"{'n/a' if low is None else low['num_rejections']:>13}")
   lines.append(f"verdict: {verdict['criterion']}: default "
                f"{'holds' if verdict['default_holds'] else 'fails'}; recommended default: "
-               + (f"max_forecast_wait_s={verdict['recommended_max_forecast_wait_s']} "
+               + (f"max_forecast_ttft_s={verdict['recommended_max_forecast_ttft_s']} "
                   f"({verdict['recommended']})" if verdict["recommended"] else "none"))
   return "\n".join(lines)
 

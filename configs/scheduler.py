@@ -29,9 +29,13 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       max_concurrent=0,  # admitted, unfinished requests (TGI's max_concurrent_requests); 429
       max_inflight_tokens=0,  # prompt + expected output tokens of admitted, unfinished
       # requests, this one's included; beyond: 503
-      max_forecast_wait_s=0.0,  # refuse (429) when the forecast wait for the first step
-      # exceeds it: every request's deadline at the door (a request's own
-      # max_queue_wait_s, which also expires it while it waits, takes precedence)
+      # The forecast-TTFT lines (429): refuse a request whose first token the wait
+      # forecast puts later than max_forecast_ttft_s seconds after its arrival, or later
+      # than max_ttft_slowdown times its time to first token on an idle engine (its
+      # prompt's prefill steps alone). A request's own max_queue_wait_s, which also
+      # expires it while it waits, takes precedence over both.
+      max_forecast_ttft_s=0.0,
+      max_ttft_slowdown=0.0,
       output_estimate="max_tokens",  # expected output tokens: max_tokens | fixed | running_mean
       fixed_output_estimate=256,  # used by output_estimate="fixed"
       output_estimate_window=1000,  # finished requests averaged by "running_mean"

@@ -14,7 +14,7 @@ under each admission line an operator could hold, each swept over its own knob:
   * `queue`: the waiting-queue bound alone (vLLM's `--max-num-queued-reqs`);
   * `tokens`: prompt + expected output tokens in flight;
   * `kv`: kvpage's KV watermark (free pages kept after the request's estimate);
-  * `wait`: the forecast wait for the first step, against the TTFT SLO;
+  * `wait`: the forecast time to first token, against the TTFT SLO;
   * `kv+wait`: both, since memory and compute saturate at different loads.
 
 Traffic: a long/short mix (`mix:0.1:8000:50`: one prompt in ten is 8,000 tokens) and
@@ -94,7 +94,7 @@ SCALES = {
 LINE_KEYS = {"scheduler.admission": "queue_only", "scheduler.max_waiting": 0,
              "scheduler.watermark": 0.0, "scheduler.rate_limit": 0.0,
              "scheduler.rate_burst": 1, "scheduler.max_concurrent": 0,
-             "scheduler.max_inflight_tokens": 0, "scheduler.max_forecast_wait_s": 0.0}
+             "scheduler.max_inflight_tokens": 0, "scheduler.max_forecast_ttft_s": 0.0}
 
 
 def base(scale: Scale, setup: SimSetup) -> Any:
@@ -179,9 +179,9 @@ def ladders(measured: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
                  for f in (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)],
       "kv": [{"scheduler.admission": "watermark", "scheduler.watermark": w}
              for w in (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)],
-      "wait": [{"scheduler.max_forecast_wait_s": wait} for wait in waits],
+      "wait": [{"scheduler.max_forecast_ttft_s": wait} for wait in waits],
       "kv+wait": [{"scheduler.admission": "watermark", "scheduler.watermark": 0.15,
-                   "scheduler.max_forecast_wait_s": wait} for wait in waits],
+                   "scheduler.max_forecast_ttft_s": wait} for wait in waits],
   }
 
 
@@ -200,12 +200,12 @@ def knob_grid(scale: Scale, measured: dict[str, Any]) -> dict[str, list[dict[str
 
 def line_of(cell: dict[str, Any]) -> tuple[str, Any]:
   """The line a cell holds and its knob's value, read back from the cell's keys."""
-  wait = cell["scheduler.max_forecast_wait_s"]
+  wait = cell["scheduler.max_forecast_ttft_s"]
   if cell["scheduler.admission"] == "watermark":
     return ("kv+wait", wait) if wait else ("kv", cell["scheduler.watermark"])
   for line, key in (("rate", "scheduler.rate_limit"), ("concurrency", "scheduler.max_concurrent"),
                     ("tokens", "scheduler.max_inflight_tokens"),
-                    ("wait", "scheduler.max_forecast_wait_s"),
+                    ("wait", "scheduler.max_forecast_ttft_s"),
                     ("queue", "scheduler.max_waiting")):
     if cell[key]:
       return line, cell[key]

@@ -46,8 +46,9 @@ class Admission:
   # "invalid_token_ids", "exceeds_watermark", "exceeds_token_budget",
   # "duplicate_request_id"; the 503s "kv_pressure" and "token_budget"; the 429s
   # "rate_limited", "concurrency_limit", "queue_full", "wait_deadline" (the forecast wait
-  # exceeds the request's own `max_queue_wait_s`) and "wait_forecast" (it exceeds the
-  # scheduler's `max_forecast_wait_s`).
+  # exceeds the request's own `max_queue_wait_s`) and "wait_forecast" (the forecast
+  # time to first token exceeds the scheduler's `max_forecast_ttft_s` or its
+  # `max_ttft_slowdown` x the request's idle time to first token).
   cause: str = "admitted"
 
   @property

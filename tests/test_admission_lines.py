@@ -102,7 +102,7 @@ def test_a_request_over_the_token_budget_on_its_own_is_a_400():
 def test_the_forecast_wait_line_refuses_at_the_door_and_a_requests_own_deadline_wins():
   # Two sequences at most: a third waits until "a" ends, 3 steps (0.3 s) ahead.
   sched, _ = two_running(max_num_seqs=2)
-  sched.config.max_forecast_wait_s = 0.2
+  sched.config.max_forecast_ttft_s = 0.2
   answer = sched.add_request(req("b", 4, 4))
   assert (answer.status, answer.cause) == (429, "wait_forecast")
   assert "b" not in sched.requests and not sched.waiting
@@ -110,16 +110,38 @@ def test_the_forecast_wait_line_refuses_at_the_door_and_a_requests_own_deadline_
   own.max_queue_wait_s = 1.0  # its own deadline, longer than the server's
   assert sched.add_request(own).admitted
   # "d" waits behind "c" too: until "z" ends, 7 steps ahead (0.73 s with the forecast's
-  # own step prices); a 1 s line lets it in.
+  # own step prices), then its prompt's step (0.125 s): its first token at 0.85 s; a
+  # 1 s line lets it in.
   answer = sched.add_request(req("d", 4, 4))
-  assert answer.cause == "wait_forecast" and "0.73 s" in answer.reason
-  sched.config.max_forecast_wait_s = 1.0
+  assert answer.cause == "wait_forecast"
+  assert "time to first token 0.850 s" in answer.reason
+  sched.config.max_forecast_ttft_s = 1.0
   assert sched.add_request(req("d", 4, 4)).admitted
+
+
+def test_the_slowdown_line_scales_with_the_requests_own_idle_time_to_first_token():
+  # As above, "d" is forecast its first token at 0.85 s; alone on an idle engine its
+  # 4-token prompt takes one priced prefill step, 0.125 s: a slowdown of 6.8.
+  sched, _ = two_running(max_num_seqs=2)
+  own = req("c", 4, 4)
+  own.max_queue_wait_s = 1.0
+  assert sched.add_request(own).admitted
+  assert sched.admission.wait.idle_first_token_s(req("d", 4, 4)) == pytest.approx(0.125)
+  sched.config.max_ttft_slowdown = 6.0
+  answer = sched.add_request(req("d", 4, 4))
+  assert (answer.status, answer.cause) == (429, "wait_forecast")
+  assert "max_ttft_slowdown 6 x this request's 125.0 ms on an idle engine" in answer.reason
+  sched.config.max_ttft_slowdown = 7.0
+  assert sched.add_request(req("d", 4, 4)).admitted
+  # Both lines on: the tighter one answers.
+  sched.config.max_forecast_ttft_s = 0.5
+  answer = sched.add_request(req("e", 4, 4))
+  assert answer.cause == "wait_forecast" and "max_forecast_ttft_s 0.5 s" in answer.reason
 
 
 def test_the_forecast_wait_line_waits_for_a_forecast():
   # Before any step was priced there is no forecast: the line refuses nobody.
-  sched, _ = scheduler(max_num_seqs=1, max_forecast_wait_s=0.01)
+  sched, _ = scheduler(max_num_seqs=1, max_forecast_ttft_s=0.01)
   for i in range(3):
     assert sched.add_request(req(f"r{i}", 4, 4)).admitted
 
@@ -130,9 +152,10 @@ def test_every_line_is_off_at_zero():
     assert sched.add_request(req(f"b{i}", 4, 4)).admitted
 
 
-@pytest.mark.parametrize("knob, value", [("rate_limit", -1.0), ("max_forecast_wait_s", -0.1),
+@pytest.mark.parametrize("knob, value", [("rate_limit", -1.0), ("max_forecast_ttft_s", -0.1),
                                          ("rate_burst", 0), ("max_concurrent", -1),
-                                         ("max_inflight_tokens", -5)])
+                                         ("max_inflight_tokens", -5),
+                                         ("max_ttft_slowdown", 0.5)])
 def test_the_config_check_names_a_bad_line_knob(knob, value):
   config = scheduler_lib.get_scheduler_config()
   config[knob] = value

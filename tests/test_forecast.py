@@ -67,6 +67,11 @@ def test_the_queue_joins_in_order_as_pages_allow_and_prefills_in_chunks():
   assert timeline.departures == sorted(timeline.scheduled.values())
   # w0 needs 3 chunks (16 + 16 + 8) before its first token: no end before the third step.
   assert timeline.rooms[-1] == 6 + 1  # everything ended: all pages back
+  # Its first token comes at the end of the step that computes its last chunk, the
+  # third step from the start; w1's at the end of its only prefill step, later still.
+  assert timeline.first_tokens["w0"] == pytest.approx(timeline.times[3])
+  assert timeline.first_tokens["w0"] > timeline.scheduled["w0"]
+  assert timeline.first_tokens["w1"] > max(timeline.scheduled["w1"], timeline.first_tokens["w0"])
 
 
 def test_reservations_are_admitted_in_rank_order_and_not_before_due():

@@ -68,7 +68,7 @@ def test_every_line_reports_its_runs(record):
   assert list(lines) == ["default", "wait:1"]
   assert lines["default"]["settings"] == {}
   assert lines["wait:1"]["settings"] == {
-      "max_forecast_wait_s": round(record["measured"]["slo_ttft_s"], 4)}
+      "max_forecast_ttft_s": round(record["measured"]["slo_ttft_s"], 4)}
   for line in lines.values():
     runs = [*line["runs"], line["low_load"]]
     assert len(line["runs"]) == len(record["overload"]["seeds"]) == 1
@@ -104,7 +104,7 @@ def _run(p95: float | None, served: float, rejections: int = 0) -> dict:
 
 
 def _line(runs: list[dict], low_rejections: int | None = 0, wait: float | None = None) -> dict:
-  return dict(runs=runs, settings={} if wait is None else {"max_forecast_wait_s": wait},
+  return dict(runs=runs, settings={} if wait is None else {"max_forecast_ttft_s": wait},
               low_load=None if low_rejections is None else _run(0.01, 1.0, low_rejections))
 
 
@@ -124,23 +124,25 @@ def test_judge_holds_only_in_every_seed_and_recommends_a_quiet_wait_line():
                               "wait:1+step_tokens:256": True}
   assert verdict["default_holds"] is False
   assert verdict["quiet_at_low_load"]["wait:0.5"] is False
-  assert (verdict["recommended"], verdict["recommended_max_forecast_wait_s"]) == ("wait:1", 0.1)
+  assert (verdict["recommended"], verdict["recommended_max_forecast_ttft_s"]) == ("wait:1", 0.1)
   assert overload_rules.judge({"default": _line([_run(None, 0.0)])}, 0.1)["recommended"] is None
 
 
 @pytest.mark.parametrize("line, settings", [
-    ("default", {}), ("wait:0.5", {"max_forecast_wait_s": 0.05}),
+    ("default", {}), ("wait:0.5", {"max_forecast_ttft_s": 0.05}),
     ("tokens:2", {"max_inflight_tokens": 200}),
-    ("wait:0.25+step_tokens:256", {"max_forecast_wait_s": 0.025, "max_num_batched_tokens": 256}),
+    ("wait:0.25+step_tokens:256", {"max_forecast_ttft_s": 0.025, "max_num_batched_tokens": 256}),
+    ("slowdown:4", {"max_ttft_slowdown": 4.0}),
     ("none", {"admission": "queue_only", "max_waiting": 0, "rate_limit": 0.0,
-              "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_wait_s": 0.0})])
+              "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_ttft_s": 0.0,
+              "max_ttft_slowdown": 0.0})])
 def test_lines_parse_into_scheduler_settings(line, settings):
   assert overload_rules.line_settings(line, slo_ttft_s=0.1, batch_tokens=100) == settings
 
 
 @pytest.mark.parametrize("lines", [["wait"], ["wait:0"], ["tokens:-1"], ["kv"], ["wait:inf"],
                                    ["wait:1+wait:2"], ["step_tokens:1.5"], ["none+wait:1"],
-                                   ["default", "default"], []])
+                                   ["slowdown:0.5"], ["default", "default"], []])
 def test_bad_lines_are_refused_before_any_server_starts(lines):
   with pytest.raises(cli.UsageError):
     overload_rules.check_lines(lines)

@@ -284,6 +284,21 @@ def test_the_engine_thread_streams_deltas_and_ends_with_usage():
   assert engine.scheduler.page_pool.num_used_pages == 0
 
 
+def test_a_request_arrives_when_the_http_layer_stamps_it_not_when_the_engine_sees_it():
+  engine = fake_engine()
+  stamped = engine.clock() - 0.25  # e.g. a step in progress, then tokenizing
+
+  async def run(loop):
+    answer, stream = await loop.submit(Submission(
+        "a", [1, 2, 3], SamplingParams(max_tokens=2), arrival_time=stamped))
+    assert answer.admitted
+    await stream.done
+    return stream
+
+  stream = _engine_loop_run(engine, run)
+  assert stream.request.arrival_time == stamped
+
+
 def test_a_failing_engine_ends_every_stream_and_refuses_new_work():
   engine = fake_engine()
 

@@ -27,12 +27,14 @@ set them against the KV line (`experiments/line_study.py`):
     `exceeds_token_budget` if this request's own would).
   * **429** `concurrency_limit`: `max_concurrent` requests are admitted and unfinished
     (TGI's `max_concurrent_requests`).
-  * **429** `wait_forecast`: the forecast wait for the first step exceeds
-    `max_forecast_wait_s` (checked by the scheduler once the request is in line,
-    `Scheduler.add_request`): the deadline of a request that names none.
+  * **429** `wait_forecast`: the forecast time to first token (from the request's
+    arrival at the server) exceeds `max_forecast_ttft_s`, or `max_ttft_slowdown` times
+    the request's time to first token on an idle engine (checked by the scheduler once
+    the request is in line, `Scheduler.add_request`): for requests that name no
+    deadline of their own.
 
 Their order: the 400s, the rate limit, the cache (503), the token budget (503), the
-concurrency limit (429), the queue (429), the forecast wait (429).
+concurrency limit (429), the queue (429), the forecast TTFT (429).
 
 That is `admission="watermark"`, kvpage's policy. `admission="queue_only"` is how vLLM
 behaves: no cache-pressure 503 and no watermark 400, only the queue bound answers 429

@@ -27,7 +27,8 @@ step is expected to end (`run`'s `start_s`), not now, or every "when" would come
 step early.
 
 What it returns is a `Timeline`: the room above the line after every forecast step,
-and when each queued request and reservation is admitted and first scheduled. What it
+and when each queued request and reservation is admitted, first scheduled, and
+samples its next token (the end of the step that computes the last of its prompt). What it
 leaves out: arrivals not yet seen, stop tokens (so ends come late, never early), and
 preemption (admission keeps the watermark's pages for growth, so it is rare).
 
@@ -97,6 +98,8 @@ class Timeline:
   rooms: list[int]
   admitted: dict[str, float]  # reservation -> when it passed the admission check
   scheduled: dict[str, float]  # queued request or reservation -> when it first ran
+  # request -> when the step that computes the last of its prompt ends: its next token
+  first_tokens: dict[str, float]
   departures: list[float]  # the waiting queue's departures, in order
   ends: list[tuple[float, str]]  # (when, request id) of each request it ends, in order
   seconds_per_step: float  # mean forecast step
@@ -158,7 +161,7 @@ class _Run:
     self.queue_charge = sum(job.estimate for job in queue)
     self.reserved_charge = sum(job.estimate for job in reserved)
     self.chunk = rules.chunk_size or rules.max_num_batched_tokens
-    self.out = Timeline([0.0], [self.room()], {}, {}, [], [], 0.0)
+    self.out = Timeline([0.0], [self.room()], {}, {}, {}, [], [], 0.0)
     self.start_s = self.now = start_s  # nothing changes before the steps in flight end
     self.num_steps = 0
 
@@ -294,6 +297,7 @@ class _Run:
         job.prefill -= n
         if not job.prefill:
           job.samples_left -= 1
+          self.out.first_tokens.setdefault(job.request_id, self.now)
       else:
         job.samples_left -= num_steps
       job.computed = computed

@@ -138,7 +138,8 @@ class Scheduler:
               else self.admission.decide(request, now, self._queues()))
     if answer.admitted:
       self._join(request)
-      if request.max_queue_wait_s is not None or self.config.max_forecast_wait_s:
+      if (request.max_queue_wait_s is not None or self.config.max_forecast_ttft_s
+          or self.config.max_ttft_slowdown):
         answer = self._check_deadline(request, answer, now)
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
@@ -164,25 +165,40 @@ class Scheduler:
 
   def _check_deadline(self, request: Request, answer: Admission, now: float) -> Admission:
     """`answer`, or a 429 taking `request` back out of the queue it just joined if the
-    forecast has it wait longer than its `max_queue_wait_s` (from its arrival), or, when
-    it names none, than the scheduler's `max_forecast_wait_s` (the forecast-wait line)."""
-    own = request.max_queue_wait_s is not None
-    if not own and not self.admission.wait.priced():
-      return answer  # The server's line refuses on a forecast, and there is none yet.
-    limit = cast(float, request.max_queue_wait_s if own else self.config.max_forecast_wait_s)
+    forecast has it wait for its first step longer than its `max_queue_wait_s` (from
+    its arrival), or, when it names none, has its first token come later than the
+    forecast-TTFT lines allow: `max_forecast_ttft_s`, and `max_ttft_slowdown` times its
+    time to first token on an idle engine."""
+    wait = self.admission.wait
     waited = now - cast(float, request.arrival_time)
-    eta = self.admission.wait.eta(request, now, self._queues())
-    if waited + eta <= limit:
+    if request.max_queue_wait_s is not None:
+      forecast_s, limit = waited + wait.eta(request, now, self._queues()), request.max_queue_wait_s
+      what = (f"forecast wait {forecast_s:.2f} s exceeds the request's max_queue_wait_s "
+              f"{limit:g} s")
+    elif not wait.priced():
+      return answer  # The server's lines refuse on a forecast, and there is none yet.
+    else:
+      forecast_s = waited + wait.first_token_eta(request, now, self._queues())
+      limits = []
+      if self.config.max_forecast_ttft_s:
+        limits.append((self.config.max_forecast_ttft_s,
+                       f"the server's max_forecast_ttft_s {self.config.max_forecast_ttft_s:g} s"))
+      if self.config.max_ttft_slowdown:
+        idle = wait.idle_first_token_s(request)
+        limits.append((self.config.max_ttft_slowdown * idle,
+                       f"max_ttft_slowdown {self.config.max_ttft_slowdown:g} x this "
+                       f"request's {1e3 * idle:.1f} ms on an idle engine"))
+      limit, name = min(limits)
+      what = f"forecast time to first token {forecast_s:.3f} s exceeds {name}"
+    if forecast_s <= limit:
       return answer
     self.waiting.pop()
     self.admission.remove_backlog(request)
     del self.requests[request.request_id]
     request.admission_index = -1
-    over = waited + eta - limit
-    return Admission(TOO_MANY_REQUESTS, f"forecast wait {waited + eta:.2f} s exceeds the "
-                     + (f"request's max_queue_wait_s {limit:g} s" if own else
-                        f"server's max_forecast_wait_s {limit:g} s"),
-                     self.admission.wait.retry_after_deadline(over, now, self._queues()),
+    own = request.max_queue_wait_s is not None
+    return Admission(TOO_MANY_REQUESTS, what,
+                     wait.retry_after_deadline(forecast_s - limit, now, self._queues()),
                      request.request_id, "wait_deadline" if own else "wait_forecast")
 
   @staticmethod

@@ -19,7 +19,7 @@ _POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "fixed_output_estima
 _NON_NEGATIVE_INTS = ("max_waiting", "chunk_size", "num_host_pages", "retry_jitter_seed",
                       "max_concurrent", "max_inflight_tokens")
 _POSITIVE_FLOATS = ("default_retry_after_s", "max_retry_after_s", "retry_grace_s")
-_NON_NEGATIVE_FLOATS = ("rate_limit", "max_forecast_wait_s")  # 0 = that line is off
+_NON_NEGATIVE_FLOATS = ("rate_limit", "max_forecast_ttft_s", "max_ttft_slowdown")  # 0 = off
 
 
 def _check_choice(config: ml_collections.ConfigDict, key: str, choices: tuple[str, ...]) -> None:
@@ -41,6 +41,9 @@ def check(config: ml_collections.ConfigDict, max_model_len: int) -> None:
     value = config[key]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
       raise ValueError(f"scheduler.{key} must be >= 0 (0 = off), got {value!r}")
+  if 0 < config.max_ttft_slowdown < 1:  # below 1 even an idle engine is too slow
+    raise ValueError(f"scheduler.max_ttft_slowdown must be 0 (off) or >= 1, got "
+                     f"{config.max_ttft_slowdown!r}")
   if not 0 <= config.retry_jitter <= 1:
     raise ValueError(f"scheduler.retry_jitter must be a fraction in [0, 1], got "
                      f"{config.retry_jitter!r}")

@@ -206,6 +206,32 @@ class WaitEstimator:
     when = timeline.scheduled.get(request.request_id)
     return self.max_s if when is None else max(0.0, when - (now - made))
 
+  def first_token_eta(self, request: Request, now: float, queues: forecast.Queues) -> float:
+    """Seconds until an admitted request holding no device pages is forecast to sample
+    its first token (the end of the step computing the last of its prompt); before any
+    step was priced, its idle time to first token from the head of the queue, else
+    `default_retry_after_s`."""
+    timeline, made, _ = self._timeline(queues, now)
+    if timeline is None:
+      at_head = not queues.swapped and bool(queues.waiting) and queues.waiting[0] is request
+      return self.idle_first_token_s(request) if at_head else self.default_s
+    when = timeline.first_tokens.get(request.request_id)
+    return self.max_s if when is None else max(0.0, when - (now - made))
+
+  def idle_first_token_s(self, request: Request) -> float:
+    """Seconds from arrival to first token of `request` alone on an idle engine: its
+    prompt's chunks, one priced prefill step each; 0 before prefill steps are priced."""
+    costs = self.costs.coefficients(True)
+    if costs is None:
+      return 0.0
+    chunk = min(self.chunk_tokens, self.rules["max_num_batched_tokens"])
+    seconds, done = 0.0, request.num_computed_tokens
+    while done < request.num_prompt_tokens:
+      tokens = min(chunk, request.num_prompt_tokens - done)
+      done += tokens
+      seconds += forecast.step_seconds(costs, tokens, done)
+    return seconds
+
   # Internals.
   def _timeline(self, queues: forecast.Queues,
                 now: float) -> tuple[forecast.Timeline | None, float, list[tuple[float, int]]]:

@@ -149,6 +149,9 @@ class Gateway:
   # Requests.
   async def generate(self, gen: GenerationRequest, http: fastapi.Request) -> responses.Response:
     """Checks, tokenizes and submits one request; answers it streamed or whole."""
+    # Arrival is now, on the engine's clock: the wait for the engine thread (a step in
+    # progress) and the tokenizing count toward the request's wait and its TTFT.
+    arrived = self.engine.clock()
     self._check_model(gen.model)
     if self.draining:
       remaining = max(self._drain_ends - time.monotonic(), 1.0)
@@ -168,7 +171,7 @@ class Gateway:
         ignore_eos=gen.ignore_eos)
     request_id = self._request_id(gen, http)
     submission = Submission(request_id, prompt_ids, sampling, gen.priority,
-                            self._deadline(gen, http), gen.stop)
+                            self._deadline(gen, http), gen.stop, arrived)
     try:
       answer, stream = await self.loop.submit(submission)
     except EngineStoppedError as error:

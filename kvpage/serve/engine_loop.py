@@ -50,6 +50,7 @@ class Submission:
   priority: int = 0
   max_queue_wait_s: float | None = None
   stop: tuple[str, ...] = ()
+  arrival_time: float | None = None  # on the engine's clock; None: when the engine sees it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +259,8 @@ class EngineLoop:
   def _add(self, submission: Submission) -> tuple[Admission, Stream | None]:
     request, answer = self.engine.add_request(
         submission.prompt_ids, submission.sampling, request_id=submission.request_id,
-        priority=submission.priority, max_queue_wait_s=submission.max_queue_wait_s)
+        priority=submission.priority, max_queue_wait_s=submission.max_queue_wait_s,
+        arrival_time=submission.arrival_time)
     if not answer.admitted:  # counted as a rejection where it is answered, in the app
       return answer, None
     self.metrics.recorder.track(request)
