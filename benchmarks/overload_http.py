@@ -54,9 +54,10 @@ default plus `max_num_batched_tokens` = N: a step's token budget, a batching kno
 bounds how long one step, and so a first token, takes).
 
 `verdict` says, from the record's own numbers: whether the default holds; which lines
-hold; and the recommended shipped default, the holding `wait` line (a setting in
-seconds, not a per-deployment token count) that refused nothing at low load, serving
-most. Prints a table and writes JSON (`--out`) with every premise: model config, dtype,
+hold; and the recommended shipped default: of the single forecast-TTFT lines that hold
+and refused nothing at low load, a `slowdown` line first (a ratio that means the same on
+every deployment; a `wait` line's seconds come from this deployment's SLO), then the one
+serving most. Prints a table and writes JSON (`--out`) with every premise: model config, dtype,
 lengths, pool, arrival process, rates, SLO rule and values, this machine, versions.
 """
 

@@ -326,23 +326,26 @@ def meets_bullet(run: Mapping[str, Any], slo_ttft_s: float,
 def judge(lines: Mapping[str, Mapping[str, Any]], slo_ttft_s: float,
           min_served: float = MIN_SERVED) -> dict[str, Any]:
   """The verdict, from the lines' own runs: which lines meet the bullet in every seed,
-  whether the default does, and the recommended default (the holding `wait` line that
-  refused nothing at low load, serving the most on average; None if there is none)."""
+  whether the default does, and the recommended default: among the single forecast-TTFT
+  lines (`slowdown:S` or `wait:F`) that hold and refused nothing at low load, a
+  `slowdown` line first (a ratio, the same on every deployment, where a `wait` line is
+  seconds that only this deployment's SLO sets), then the one serving the most on
+  average; None if there is none."""
   holding = {name: all(meets_bullet(run, slo_ttft_s, min_served) for run in line["runs"])
              and bool(line["runs"]) for name, line in lines.items()}
   quiet = {name: line.get("low_load") is not None and line["low_load"]["num_rejections"] == 0
            for name, line in lines.items()}
-  candidates = [name for name in lines if name.startswith("wait:") and "+" not in name
-                and holding[name] and quiet[name]]
+  candidates = [name for name in lines if name.startswith(("wait:", "slowdown:"))
+                and "+" not in name and holding[name] and quiet[name]]
   served = lambda name: float(np.mean([run["served_fraction"] for run in lines[name]["runs"]]))
-  recommended = max(candidates, key=lambda name: (served(name), name), default=None)
+  recommended = max(candidates, key=lambda name: (name.startswith("slowdown:"), served(name),
+                                                  name), default=None)
   return dict(
       criterion=f"TTFT p95 of served requests <= {slo_ttft_s} s and served >= "
                 f"{min_served:.0%}, in every seed",
       default_holds=holding.get("default"), holds=holding, quiet_at_low_load=quiet,
       recommended=recommended,
-      recommended_max_forecast_ttft_s=(
-          lines[recommended]["settings"]["max_forecast_ttft_s"] if recommended else None))
+      recommended_settings=dict(lines[recommended]["settings"]) if recommended else None)
 
 
 # The report.
@@ -388,8 +391,8 @@ def table(record: Mapping[str, Any]) -> str:
         f"{'n/a' if low is None else low['num_rejections']:>13}")
   lines.append(f"verdict: {verdict['criterion']}: default "
                f"{'holds' if verdict['default_holds'] else 'fails'}; recommended default: "
-               + (f"max_forecast_ttft_s={verdict['recommended_max_forecast_ttft_s']} "
-                  f"({verdict['recommended']})" if verdict["recommended"] else "none"))
+               + (f"{describe(verdict['recommended_settings'])} ({verdict['recommended']})"
+                  if verdict["recommended"] else "none"))
   return "\n".join(lines)
 
 

@@ -15,6 +15,8 @@ under each admission line an operator could hold, each swept over its own knob:
   * `tokens`: prompt + expected output tokens in flight;
   * `kv`: kvpage's KV watermark (free pages kept after the request's estimate);
   * `wait`: the forecast time to first token, against the TTFT SLO;
+  * `slowdown`: the forecast time to first token, against S x the request's own on an
+    idle engine (a relative line: no SLO, no seconds to tune per deployment);
   * `kv+wait`: both, since memory and compute saturate at different loads.
 
 Traffic: a long/short mix (`mix:0.1:8000:50`: one prompt in ten is 8,000 tokens) and
@@ -60,7 +62,8 @@ MIXES = {"long/short": "mix:0.1:8000:50", "sharegpt": "lognormal:512:3000"}
 ARRIVALS = {"steady": "poisson", "bursty": "gamma:3"}
 OUTPUT = dict(output_len="uniform:32:512", max_tokens=1024)
 CONTEXT = 16384  # the study's model context: the long prompts must fit
-LINES = ("none", "rate", "concurrency", "queue", "tokens", "kv", "wait", "kv+wait")
+LINES = ("none", "rate", "concurrency", "queue", "tokens", "kv", "wait", "slowdown",
+         "kv+wait")
 UNLOADED = 0.05  # the unloaded run's load, x the throughput with everything at once
 SLO_FACTOR = 3.0  # each SLO is this many times the unloaded run's figure
 ATTAINMENT = 0.9  # sustainable: this share of requests within both SLOs, with no line
@@ -94,7 +97,8 @@ SCALES = {
 LINE_KEYS = {"scheduler.admission": "queue_only", "scheduler.max_waiting": 0,
              "scheduler.watermark": 0.0, "scheduler.rate_limit": 0.0,
              "scheduler.rate_burst": 1, "scheduler.max_concurrent": 0,
-             "scheduler.max_inflight_tokens": 0, "scheduler.max_forecast_ttft_s": 0.0}
+             "scheduler.max_inflight_tokens": 0, "scheduler.max_forecast_ttft_s": 0.0,
+             "scheduler.max_ttft_slowdown": 0.0}
 
 
 def base(scale: Scale, setup: SimSetup) -> Any:
@@ -180,6 +184,8 @@ def ladders(measured: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
       "kv": [{"scheduler.admission": "watermark", "scheduler.watermark": w}
              for w in (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)],
       "wait": [{"scheduler.max_forecast_ttft_s": wait} for wait in waits],
+      "slowdown": [{"scheduler.max_ttft_slowdown": s}
+                   for s in (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)],
       "kv+wait": [{"scheduler.admission": "watermark", "scheduler.watermark": 0.15,
                    "scheduler.max_forecast_ttft_s": wait} for wait in waits],
   }
@@ -206,6 +212,7 @@ def line_of(cell: dict[str, Any]) -> tuple[str, Any]:
   for line, key in (("rate", "scheduler.rate_limit"), ("concurrency", "scheduler.max_concurrent"),
                     ("tokens", "scheduler.max_inflight_tokens"),
                     ("wait", "scheduler.max_forecast_ttft_s"),
+                    ("slowdown", "scheduler.max_ttft_slowdown"),
                     ("queue", "scheduler.max_waiting")):
     if cell[key]:
       return line, cell[key]

@@ -98,3 +98,15 @@ def test_a_forecast_made_while_a_step_is_in_flight_starts_when_it_ends():
   assert later.scheduled["w0"] == pytest.approx(now.scheduled["w0"] + 0.5)
   assert later.seconds_per_step == pytest.approx(now.seconds_per_step)
 
+
+
+def test_a_forecast_until_a_request_stops_at_its_first_token_and_agrees_with_the_whole():
+  def queue() -> list[forecast.Job]:
+    return [forecast.Job("w0", 8, 2, 0, 0, 3, waiting=True),
+            forecast.Job("w1", 8, 2, 0, 0, 3, waiting=True)]
+
+  whole = forecast.run(rules(), 12, [decoding("a", 8, 50)], queue(), [])
+  cut = forecast.run(rules(), 12, [decoding("a", 8, 50)], queue(), [], until="w1")
+  assert cut.first_tokens["w1"] == pytest.approx(whole.first_tokens["w1"])
+  assert cut.times[-1] == pytest.approx(cut.first_tokens["w1"])  # not a step further
+  assert len(cut.times) < len(whole.times) and not cut.ends  # "a" decodes on, unseen

@@ -20,7 +20,7 @@ def table(**goodputs: float) -> dict:
 
 
 ALL = dict(none=0.1, rate=0.5, concurrency=0.6, queue=0.2, tokens=0.7, kv=0.9, wait=0.4,
-           kv_wait=1.0)
+           slowdown=0.3, kv_wait=1.0)
 
 
 def verdict(claim, **goodputs) -> str:

@@ -103,12 +103,15 @@ def _run(p95: float | None, served: float, rejections: int = 0) -> dict:
   return dict(ttft_p95_s=p95, served_fraction=served, num_rejections=rejections)
 
 
-def _line(runs: list[dict], low_rejections: int | None = 0, wait: float | None = None) -> dict:
-  return dict(runs=runs, settings={} if wait is None else {"max_forecast_ttft_s": wait},
+def _line(runs: list[dict], low_rejections: int | None = 0, wait: float | None = None,
+          slowdown: float | None = None) -> dict:
+  settings = ({} if wait is None else {"max_forecast_ttft_s": wait}) | (
+      {} if slowdown is None else {"max_ttft_slowdown": slowdown})
+  return dict(runs=runs, settings=settings,
               low_load=None if low_rejections is None else _run(0.01, 1.0, low_rejections))
 
 
-def test_judge_holds_only_in_every_seed_and_recommends_a_quiet_wait_line():
+def test_judge_holds_only_in_every_seed_and_recommends_a_quiet_line():
   lines = {
       "default": _line([_run(0.5, 1.0), _run(0.05, 1.0)]),  # one seed over the SLO
       "wait:0.5": _line([_run(0.05, 0.5)], low_rejections=3, wait=0.05),  # refuses at 1x
@@ -124,8 +127,15 @@ def test_judge_holds_only_in_every_seed_and_recommends_a_quiet_wait_line():
                               "wait:1+step_tokens:256": True}
   assert verdict["default_holds"] is False
   assert verdict["quiet_at_low_load"]["wait:0.5"] is False
-  assert (verdict["recommended"], verdict["recommended_max_forecast_ttft_s"]) == ("wait:1", 0.1)
+  assert (verdict["recommended"], verdict["recommended_settings"]) == (
+      "wait:1", {"max_forecast_ttft_s": 0.1})
   assert overload_rules.judge({"default": _line([_run(None, 0.0)])}, 0.1)["recommended"] is None
+  # A holding, quiet slowdown line comes first, even serving less than a wait line.
+  lines["slowdown:4"] = _line([_run(0.09, 0.35)], slowdown=4.0)
+  lines["slowdown:8"] = _line([_run(0.2, 0.5)], slowdown=8.0)  # over the SLO
+  verdict = overload_rules.judge(lines, slo_ttft_s=0.1)
+  assert (verdict["recommended"], verdict["recommended_settings"]) == (
+      "slowdown:4", {"max_ttft_slowdown": 4.0})
 
 
 @pytest.mark.parametrize("line, settings", [

@@ -137,11 +137,13 @@ class Rules:
 
 
 def run(rules: Rules, free_pages: int, running: list[Job], queue: list[Job],
-        reserved: list[Job], start_s: float = 0.0) -> Timeline:
+        reserved: list[Job], start_s: float = 0.0, until: str | None = None) -> Timeline:
   """Forecasts the scheduler from now (see the module docstring), its first step
   starting `start_s` from now (when the steps in flight end). `queue` in the order it
-  is served (swapped first), `reserved` in rank order; all three are consumed."""
-  return _Run(rules, free_pages, running, queue, reserved, start_s).timeline()
+  is served (swapped first), `reserved` in rank order; all three are consumed. With
+  `until`, the forecast stops once that request has its first token: what comes
+  after (later ends, departures) is not in the timeline."""
+  return _Run(rules, free_pages, running, queue, reserved, start_s).timeline(until)
 
 
 def step_seconds(costs: tuple[float, float, float, float], num_tokens: int,
@@ -174,8 +176,9 @@ class _Run:
   def owed(self) -> int:
     return sum(job.owed_pages(self.rules.page_size) for job in self.running)
 
-  def timeline(self) -> Timeline:
-    while (self.running or self.queue or self.reserved) and self.now <= self.rules.horizon_s:
+  def timeline(self, until: str | None = None) -> Timeline:
+    while ((self.running or self.queue or self.reserved) and self.now <= self.rules.horizon_s
+           and (until is None or until not in self.out.first_tokens)):
       self.admit_reservations()
       if not self.step():
         upcoming = [job.due for job in self.reserved if job.due > self.now]

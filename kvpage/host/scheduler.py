@@ -136,17 +136,16 @@ class Scheduler:
                 max_tokens=request.sampling.max_tokens, priority=request.priority)
     answer = (self._duplicate(request) if live is not None
               else self.admission.decide(request, now, self._queues()))
-    if answer.admitted:
-      self._join(request)
-      if (request.max_queue_wait_s is not None or self.config.max_forecast_ttft_s
-          or self.config.max_ttft_slowdown):
-        answer = self._check_deadline(request, answer, now)
+    if answer.admitted and (request.max_queue_wait_s is not None
+                            or self.config.max_forecast_ttft_s or self.config.max_ttft_slowdown):
+      answer = self._check_deadline(request, answer, now)
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
       request.log(now, "rejected", status=answer.status, reason=answer.reason,
                   retry_after=answer.retry_after)
       self._count_rejection(answer)
       return answer
+    self._join(request)
     self._num_admitted += 1
     if request.max_queue_wait_s is not None:
       heapq.heappush(self._deadlines, (request.arrival_time + request.max_queue_wait_s,
@@ -164,21 +163,24 @@ class Scheduler:
     self.admission.add_backlog(request)
 
   def _check_deadline(self, request: Request, answer: Admission, now: float) -> Admission:
-    """`answer`, or a 429 taking `request` back out of the queue it just joined if the
-    forecast has it wait for its first step longer than its `max_queue_wait_s` (from
-    its arrival), or, when it names none, has its first token come later than the
-    forecast-TTFT lines allow: `max_forecast_ttft_s`, and `max_ttft_slowdown` times its
-    time to first token on an idle engine."""
-    wait = self.admission.wait
+    """`answer`, or a 429 if the forecast, with `request` queued last, has it wait for
+    its first step longer than its `max_queue_wait_s` (from its arrival), or, when it
+    names none, has its first token come later than the forecast-TTFT lines allow:
+    `max_forecast_ttft_s`, and `max_ttft_slowdown` times its time to first token on an
+    idle engine."""
+    wait, queues = self.admission.wait, self._queues()
     waited = now - cast(float, request.arrival_time)
-    if request.max_queue_wait_s is not None:
-      forecast_s, limit = waited + wait.eta(request, now, self._queues()), request.max_queue_wait_s
+    own = request.max_queue_wait_s is not None
+    if not own and not wait.priced():
+      return answer  # The server's lines refuse on a forecast, and there is none yet.
+    estimate = self.admission.estimate_pages(request)
+    first_step, first_token = wait.newcomer_eta(request, estimate, now, queues)
+    if own:
+      forecast_s, limit = waited + first_step, cast(float, request.max_queue_wait_s)
       what = (f"forecast wait {forecast_s:.2f} s exceeds the request's max_queue_wait_s "
               f"{limit:g} s")
-    elif not wait.priced():
-      return answer  # The server's lines refuse on a forecast, and there is none yet.
     else:
-      forecast_s = waited + wait.first_token_eta(request, now, self._queues())
+      forecast_s = waited + first_token
       limits = []
       if self.config.max_forecast_ttft_s:
         limits.append((self.config.max_forecast_ttft_s,
@@ -192,13 +194,9 @@ class Scheduler:
       what = f"forecast time to first token {forecast_s:.3f} s exceeds {name}"
     if forecast_s <= limit:
       return answer
-    self.waiting.pop()
-    self.admission.remove_backlog(request)
-    del self.requests[request.request_id]
-    request.admission_index = -1
-    own = request.max_queue_wait_s is not None
     return Admission(TOO_MANY_REQUESTS, what,
-                     wait.retry_after_deadline(forecast_s - limit, now, self._queues()),
+                     wait.retry_after_deadline(request, estimate, forecast_s - limit, now,
+                                               queues),
                      request.request_id, "wait_deadline" if own else "wait_forecast")
 
   @staticmethod

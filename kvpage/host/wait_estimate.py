@@ -16,6 +16,10 @@ holds now, each step priced by the step-cost model fit to the steps it ran
   * **ETA**: when the forecast first schedules the waiting (or swapped) request.
   * **429/503 of a line on admitted requests** (a concurrency limit, an in-flight-token
     budget): when the forecast has ended enough of them to make room.
+  * **A newcomer's first step and first token** (the forecast-TTFT lines and a
+    request's own `max_queue_wait_s`, checked before it joins): the forecast with it
+    queued last. One such forecast serves every newcomer of the same shape until the
+    queues change, so a storm of refused requests runs one forecast, not one each.
 
 Rejected requests stand in line. A 503 enters the request in a ledger under its id,
 ranked by its first rejection, due at its hint and kept until it comes back (admitted,
@@ -51,6 +55,8 @@ from kvpage.host.pages import PagePool
 from kvpage.host.step_cost import StepCostModel
 from kvpage.request import Request
 from kvpage.units import cdiv
+
+NEWCOMER = "\x00newcomer"  # the forecast's name for a request asking to join the queue
 
 
 @dataclasses.dataclass
@@ -93,6 +99,9 @@ class WaitEstimator:
     # rejected since ((until when, pages), in seconds from the time it was made).
     self._forecast: tuple[object, float, forecast.Timeline | None,
                           list[tuple[float, int]]] = (None, 0.0, None, [])
+    # Forecasts with a newcomer at the queue's tail, for one key: by the newcomer's shape.
+    self._newcomers: tuple[object, dict[tuple, tuple[float, forecast.Timeline | None]]] = (
+        None, {})
 
   # Observations.
   def observe_step(self, num_tokens: int, num_context_tokens: int, num_sequences: int,
@@ -188,11 +197,12 @@ class WaitEstimator:
           break
     return self._hint(seconds, timeline)
 
-  def retry_after_deadline(self, seconds_over: float, now: float,
-                           queues: forecast.Queues) -> float:
-    """The hint for a request whose forecast wait exceeds its deadline by `seconds_over`:
-    the queue ahead of it drains a second per second, so then the wait would fit."""
-    timeline, _, _ = self._timeline(queues, now)
+  def retry_after_deadline(self, request: Request, estimate: int, seconds_over: float,
+                           now: float, queues: forecast.Queues) -> float:
+    """The hint for a newcomer (see `newcomer_eta`) whose forecast wait exceeds its
+    deadline by `seconds_over`: the queue ahead of it drains a second per second, so
+    then the wait would fit."""
+    timeline, _ = self._newcomer_timeline(request, estimate, queues, now)
     return self._hint(seconds_over, timeline)
 
   def eta(self, request: Request, now: float, queues: forecast.Queues) -> float:
@@ -206,17 +216,27 @@ class WaitEstimator:
     when = timeline.scheduled.get(request.request_id)
     return self.max_s if when is None else max(0.0, when - (now - made))
 
-  def first_token_eta(self, request: Request, now: float, queues: forecast.Queues) -> float:
-    """Seconds until an admitted request holding no device pages is forecast to sample
-    its first token (the end of the step computing the last of its prompt); before any
-    step was priced, its idle time to first token from the head of the queue, else
-    `default_retry_after_s`."""
-    timeline, made, _ = self._timeline(queues, now)
+  def newcomer_eta(self, request: Request, estimate: int, now: float,
+                   queues: forecast.Queues) -> tuple[float, float]:
+    """Seconds until `request` (not yet queued; `estimate` its page estimate), were it to
+    join the tail of the waiting queue now, is forecast to be first scheduled and to
+    sample its first token (the end of the step computing the last of its prompt).
+    Before any step was priced: (0, its idle time to first token) on an empty queue,
+    else `default_retry_after_s` twice.
+
+    Nothing ahead of a newcomer depends on it (the queue is served in order), so one
+    forecast serves every newcomer of the same shape while the queues stand still: a
+    refused request leaves them as they were, and the next arrival reuses the forecast
+    instead of running its own."""
+    timeline, made = self._newcomer_timeline(request, estimate, queues, now)
     if timeline is None:
-      at_head = not queues.swapped and bool(queues.waiting) and queues.waiting[0] is request
-      return self.idle_first_token_s(request) if at_head else self.default_s
-    when = timeline.first_tokens.get(request.request_id)
-    return self.max_s if when is None else max(0.0, when - (now - made))
+      if not queues.swapped and not queues.waiting:
+        return 0.0, self.idle_first_token_s(request)
+      return self.default_s, self.default_s
+    when = [timeline.scheduled.get(NEWCOMER), timeline.first_tokens.get(NEWCOMER)]
+    first_step, first_token = (self.max_s if w is None else max(0.0, w - (now - made))
+                               for w in when)
+    return first_step, first_token
 
   def idle_first_token_s(self, request: Request) -> float:
     """Seconds from arrival to first token of `request` alone on an idle engine: its
@@ -241,18 +261,46 @@ class WaitEstimator:
     if key == queues.key and timeline is not None:
       return timeline, made, taken
     self._lapse(now)
+    self._forecast = (queues.key, now, self._run(queues, now), [])
+    return self._forecast[2], now, self._forecast[3]
+
+  def _newcomer_timeline(self, request: Request, estimate: int, queues: forecast.Queues,
+                         now: float) -> tuple[forecast.Timeline | None, float]:
+    """The forecast for `queues` with `request` queued last (as `NEWCOMER`) up to its
+    first token, when it was made: run once per key and newcomer shape (see
+    `newcomer_eta`)."""
+    key, by_shape = self._newcomers
+    if key != queues.key:
+      by_shape = {}
+      self._newcomers = (queues.key, by_shape)
+    rid = request.request_id
+    shape = (request.num_prompt_tokens, request.sampling.max_tokens, request.num_sampled,
+             request.num_computed_tokens, estimate, rid if rid in self.reservations else None)
+    if shape not in by_shape:
+      self._lapse(now)
+      newcomer = dataclasses.replace(forecast.job_of(request, estimate), request_id=NEWCOMER,
+                                     waiting=True)
+      by_shape[shape] = (now, self._run(queues, now, newcomer, rid))
+    made, timeline = by_shape[shape]
+    return timeline, made
+
+  def _run(self, queues: forecast.Queues, now: float, newcomer: forecast.Job | None = None,
+           newcomer_id: str = "") -> forecast.Timeline | None:
+    """The forecast of `queues` from `now` (`newcomer`, if given, queued last, its
+    reservation not counted twice); None before both kinds of step are priced."""
     decode_costs, prefill_costs = self.costs.coefficients(False), self.costs.coefficients(True)
     if decode_costs is None or prefill_costs is None:
-      self._forecast = (queues.key, now, None, [])
-      return None, now, []
+      return None
     pool = self.page_pool
     running = [forecast.job_of(request) for request in queues.running]
     queue = [forecast.job_of(request, self.backlog.get(request.request_id, 0))
              for request in (*queues.swapped, *queues.waiting)]
     for job in queue[len(queues.swapped):]:
       job.waiting = True
+    if newcomer is not None:
+      queue.append(newcomer)
     live = {request.request_id for request in (*queues.running, *queues.swapped,
-                                               *queues.waiting)}
+                                               *queues.waiting)} | {newcomer_id}
     reserved = [forecast.Job(rid, held.num_prompt_tokens, held.max_tokens, 0, 0, held.pages,
                              due=max(0.0, held.due - now))
                 for rid, held in sorted(self.reservations.items(), key=lambda kv: kv[1].rank)
@@ -263,10 +311,8 @@ class WaitEstimator:
     for start, tokens, context, num_sequences, iterations in queues.in_flight:
       costs = prefill_costs if tokens != num_sequences else decode_costs
       ends = max(ends, start) + iterations * forecast.step_seconds(costs, tokens, context)
-    timeline = forecast.run(rules, pool.num_free_pages, running, queue, reserved,
-                            start_s=ends - now)
-    self._forecast = (queues.key, now, timeline, [])
-    return timeline, now, self._forecast[3]
+    return forecast.run(rules, pool.num_free_pages, running, queue, reserved,
+                        start_s=ends - now, until=None if newcomer is None else NEWCOMER)
 
   def _hint(self, seconds: float | None, timeline: forecast.Timeline | None) -> float:
     if seconds is None or timeline is None:
