@@ -164,16 +164,17 @@ def test_the_config_check_names_a_bad_line_knob(knob, value):
 
 
 def test_refused_newcomers_share_one_forecast_and_leave_the_queue_as_it_was(monkeypatch):
-  from kvpage.host import forecast
+  from kvpage.host import forecast, wait_estimate
   sched, _ = two_running(max_num_seqs=2, max_forecast_ttft_s=0.2)
   runs = []
   real = forecast.run
-  monkeypatch.setattr(forecast, "run", lambda *a, **k: runs.append(k.get("until")) or real(*a, **k))
+  monkeypatch.setattr(forecast, "run",
+                      lambda *a, **k: runs.append(k.get("until")) or real(*a, **k))
   joins = sched._queues().key
   for i in range(5):  # the same shape, the queues unchanged by each refusal
     answer = sched.add_request(req(f"b{i}", 4, 4))
     assert answer.cause == "wait_forecast" and answer.retry_after > 0
-  assert runs == ["\x00newcomer"]  # one forecast, up to the newcomer's first token
+  assert runs == [wait_estimate.NEWCOMER]  # one forecast, up to the newcomer's first token
   assert sched._queues().key == joins and not sched.waiting
   assert sched.add_request(req("long", 8, 4)).cause == "wait_forecast"  # another shape
   assert len(runs) == 2

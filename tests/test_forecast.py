@@ -99,7 +99,6 @@ def test_a_forecast_made_while_a_step_is_in_flight_starts_when_it_ends():
   assert later.seconds_per_step == pytest.approx(now.seconds_per_step)
 
 
-
 def test_a_forecast_until_a_request_stops_at_its_first_token_and_agrees_with_the_whole():
   def queue() -> list[forecast.Job]:
     return [forecast.Job("w0", 8, 2, 0, 0, 3, waiting=True),
