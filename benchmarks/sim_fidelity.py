@@ -11,7 +11,11 @@ r"""Does a calibrated simulator predict a real run? The tiny model on this CPU.
    well and every decode step at its mean, ~15-20% above the median step it is judged
    on. Measured on the 2-core VM: `absolute` weighting with `squares` missed the
    median step in 3 of 3 repeats, `by_kind` with `squares` in 2 of 2; `by_kind` with
-   `absolute` held every target in 2 of 2.
+   `absolute` held every target in 2 of 2. The fit separates the steps launched after
+   the engine idled (`StepRates.idle_launch_s`): without that term the cold prompt
+   steps that open each busy spell priced every warm mixed step ~1.5x too high, and
+   TTFT p50 came out +2% to +31% (4 of 10 pairs of real runs over +20%); with it
+   -15% to +13% on the same 10 pairs, and -19%, -5%, -17% in 3 fresh repeats.
 3. Runs workload B, with other lengths and another arrival rate, twice: for real, and
    simulated with that calibration (same trace, same pool, same scheduler).
 4. Compares B's median step time, TTFT p50 and TPOT p50, simulated against measured

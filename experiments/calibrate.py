@@ -74,13 +74,16 @@ def step_samples(paths: Sequence[str],
   launches, empty steps, steps without a recorded time), whether any step was padded,
   and whether padded decode rows read to the longest decode context (the executor
   recorded `decode_longest`): each step is counted as its executor computed it
-  (`padded_counts`)."""
+  (`padded_counts`), and as launched after the device idled when it began
+  `step_model.IDLE_GAP_S` or more after the previous step's row (the run's start, for
+  the first): a row's `time` is when its step's samples came back."""
   steps, skipped = [], 0
   for path in paths:
     try:
       lines = pathlib.Path(path).read_text().splitlines()
     except OSError as error:
       raise ValueError(f"{path}: cannot read it ({error.strerror or error})") from None
+    last_end = 0.0
     for number, line in enumerate(lines, start=1):
       try:
         row = json.loads(line)
@@ -90,18 +93,20 @@ def step_samples(paths: Sequence[str],
         raise ValueError(f"{path} line {number}: no `work` record (a run from before "
                          "kvpage recorded step work)")
       seconds, work = row.get("step_s"), row["work"]
+      previous_end, last_end = last_end, row["time"]
       if not seconds or work["iterations"] != 1 or not work["num_tokens"]:
         skipped += 1
         continue
-      steps.append((row, float(seconds)))
+      idle = row["time"] - seconds - previous_end >= step_model.IDLE_GAP_S
+      steps.append((row, float(seconds), idle))
   # An executor that pads (kvpage's) pads every step, and its XLA decode pass reads
   # each row as far as the longest context even when a batch needs no padding rows; an
   # executor that does not (an unbucketed simulation) records shapes equal to the work.
   padded = any("padded_tokens" in row["work"] and (
       row["work"]["padded_tokens"], row["work"]["padded_sequences"]) != (
-          row["work"]["num_tokens"], row["work"]["num_sequences"]) for row, _ in steps)
+          row["work"]["num_tokens"], row["work"]["num_sequences"]) for row, _, _ in steps)
   samples = []
-  for row, seconds in steps:
+  for row, seconds, idle in steps:
     work = row["work"]
     counts = {key: work[key] for key in ("num_tokens", "num_sequences", "num_sampled",
                                          "prefill_pairs", "decode_context")}
@@ -109,8 +114,9 @@ def step_samples(paths: Sequence[str],
       counts = step_model.padded_counts(counts, work["padded_tokens"], work["padded_sequences"],
                                         work.get("decode_longest"))
     samples.append(calibration.Sample(model.work_from_counts(
-        **counts, num_swapped_pages=work["swap_pages"]), seconds, f"step {row['step']}"))
-  reads_longest = padded and any("decode_longest" in row["work"] for row, _ in steps)
+        **counts, num_swapped_pages=work["swap_pages"], after_idle=idle), seconds,
+        f"step {row['step']}"))
+  reads_longest = padded and any("decode_longest" in row["work"] for row, _, _ in steps)
   return samples, skipped, padded, reads_longest
 
 

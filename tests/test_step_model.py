@@ -101,11 +101,12 @@ KNOWN = StepRates(launch_s=2e-3, per_sequence_s=5e-5,
                                       large_bandwidth=1.0e12),
                   prefill_attention_flops=60e12, decode_attention_bandwidth=0.4e12,
                   allreduce_latency_s=2e-5, link_bandwidth=300e9, source="test",
-                  prefill_launch_s=4e-3)
+                  prefill_launch_s=4e-3, idle_launch_s=3e-3)
 
 
 def synthetic_samples(model: StepModel, seed: int) -> list[calibration.Sample]:
-  """Decode batches at varied contexts, prefills, chunks over a prefix, mixed steps."""
+  """Decode batches at varied contexts, prefills, chunks over a prefix, mixed steps;
+  every seventh launched after the device idled."""
   rng = np.random.default_rng(seed)
   steps = []
   for _ in range(60):
@@ -117,7 +118,8 @@ def synthetic_samples(model: StepModel, seed: int) -> list[calibration.Sample]:
   for _ in range(20):
     steps.append([(int(rng.integers(64, 1024)), 2048)] + [(1, int(c)) for c in
                                                         rng.integers(16, 2000, 30)])
-  return [calibration.Sample(model.work(s), model.step_cost(s).seconds) for s in steps]
+  works = [model.work(s, after_idle=i % 7 == 3) for i, s in enumerate(steps)]
+  return [calibration.Sample(work, model.price(work).seconds) for work in works]
 
 
 @pytest.mark.parametrize("loss", calibration.LOSSES)
@@ -127,8 +129,8 @@ def test_the_fit_recovers_known_rates_from_synthetic_step_times(weighting, loss)
   result = calibration.fit(synthetic_samples(model, 0), model, A100, weighting=weighting,
                            knee_tokens=128, tie_decode_attention=False, loss=loss)
   assert result.not_identified == ()
-  for field in ("launch_s", "prefill_launch_s", "per_sequence_s", "prefill_attention_flops",
-                "decode_attention_bandwidth"):
+  for field in ("launch_s", "prefill_launch_s", "idle_launch_s", "per_sequence_s",
+                "prefill_attention_flops", "decode_attention_bandwidth"):
     assert getattr(result.rates, field) == pytest.approx(getattr(KNOWN, field), rel=1e-3), field
   for field in ("small_flops", "small_bandwidth", "large_flops", "large_bandwidth"):
     assert getattr(result.rates.regimes, field) == pytest.approx(
@@ -275,18 +277,19 @@ def test_padded_counts_pad_rows_and_tokens_as_the_engine_runs_them():
 def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path, reads_longest):
   """Rates fit on padded work (a kvpage run's steps) make the simulator pad its steps to
   the server's buckets; its steps.jsonl records the padded shapes (and, where decode rows
-  read to the longest context, that context), and fitting them gives back rates that
-  price every step as the simulator did."""
+  read to the longest context, that context) and when each step's samples came back,
+  and fitting them gives back rates that price every step as the simulator did, the
+  steps launched after the device idled among them."""
   cpu = hardware_lib.get_hardware("cpu")
   rates = dataclasses.replace(StepRates.template(cpu), per_sequence_s=1e-4,
-                              prefill_launch_s=1e-2, padded_work=True,
+                              prefill_launch_s=1e-2, idle_launch_s=5e-3, padded_work=True,
                               decode_reads_longest=reads_longest)
   given = tmp_path / "given.json"
   given.write_text(json.dumps(dict(rates=rates.to_dict())))
   run = subprocess.run(
       [sys.executable, "-m", "experiments.serve_bench", "--config=configs/tiny.py",
        "--executor=sim", "--hardware=cpu", f"--calibration={given}", "--num_requests=40",
-       "--arrival_rate=50", "--prompt_len=uniform:16:300", "--output_len=uniform:8:64",
+       "--arrival_rate=20", "--prompt_len=uniform:16:300", "--output_len=uniform:8:64",
        f"--workdir={tmp_path}/a"], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert run.returncode == 0, run.stderr
   rows = [json.loads(line) for line in (tmp_path / "a" / "steps.jsonl").read_text().splitlines()]
@@ -295,6 +298,11 @@ def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path, 
   assert decodes and all(work["padded_sequences"] in (4, 8) for work in decodes)
   assert all(row["work"]["padded_tokens"] >= row["work"]["num_tokens"] for row in rows)
   assert all(("decode_longest" in row["work"]) == reads_longest for row in rows)
+  idle = [row["parts"]["launch_s"] - rates.launch_s - (
+      rates.prefill_launch_s if row["work"]["prefill_pairs"] else 0.0)
+          for row in rows if row["work"]["num_tokens"]]
+  assert any(abs(extra - 5e-3) < 1e-9 for extra in idle)  # after the device idled
+  assert any(abs(extra) < 1e-9 for extra in idle)  # back to back
   fit = subprocess.run(
       [sys.executable, "-m", "experiments.calibrate", "--config=configs/tiny.py",
        "--hardware=cpu", f"--steps={tmp_path}/a/steps.jsonl", "--json"],
@@ -305,6 +313,7 @@ def test_a_padded_calibration_prices_padded_steps_and_calibrates_back(tmp_path, 
   assert record["rates"]["decode_reads_longest"] is reads_longest
   assert max(abs(row["error"]) for row in record["points"]) < 1e-3
   assert record["rates"]["prefill_launch_s"] == pytest.approx(1e-2, rel=1e-2)
+  assert record["rates"]["idle_launch_s"] == pytest.approx(5e-3, rel=1e-2)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -5,9 +5,9 @@
 rates (`StepRates.operators`, fitted on per-operator profiles by
 `kvpage.sim.operators.fit`), those price the non-attention work and the all-reduces,
 and the steps fit only what they do not cover: the launch, a prompt-carrying step's
-extra launch, the per-sequence cost, and prefill and decode attention (one bounded
-least-squares solve). Otherwise (a device measured only step by step) the steps fit a
-step-level roofline too (`RegimeRates`):
+extra launch, a step's extra launch after the device idled, the per-sequence cost, and
+prefill and decode attention (one bounded least-squares solve). Otherwise (a device
+measured only step by step) the steps fit a step-level roofline too (`RegimeRates`):
 
   * Every part is linear in the inverse of its rate (seconds per FLOP, per byte, per
     sequence, per launch), except the linear layers' `max(FLOPs / C, bytes / W)`. For
@@ -39,6 +39,10 @@ step-level roofline too (`RegimeRates`):
     operator rates, the per-sequence cost is 0 and decode attention takes it all (the
     kernels of the engines profiled read each context once per query head, a cost that
     grows with the context, as a per-sequence constant would not).
+  * A step launched after the device idled (`StepWork.after_idle`: a served run's
+    `steps.jsonl` gives each step's gap since the last one ended) pays `idle_launch`
+    on top, so the cold prompt steps that open a busy spell do not price every prompt
+    chunk (a published profile has none: it stays 0).
   * The all-reduce's latency and link bandwidth, and host swaps, are not fit (one
     tensor-parallel degree cannot separate them from launch and per-token costs): their
     seconds, priced by the hardware entry, are taken off each step before fitting.
@@ -110,7 +114,8 @@ class Fit:
     r = self.rates
     lines = [
         f"launch {1e3 * r.launch_s:.3f} ms (+ {1e3 * r.prefill_launch_s:.3f} ms with prompt "
-        f"chunks), per sequence {1e3 * r.per_sequence_s:.4f} ms"]
+        f"chunks, + {1e3 * r.idle_launch_s:.3f} ms after the device idled), per sequence "
+        f"{1e3 * r.per_sequence_s:.4f} ms"]
     if r.regimes is not None:
       g = r.regimes
       lines += [
@@ -172,7 +177,7 @@ def _fixed_seconds(model: StepModel, work: StepWork) -> float:
 def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
             tie: bool, operators: bool) -> np.ndarray:
   """The least-squares columns, one row per step, for a memory/compute assignment:
-  launch, prefill launch, sequences, small steps' weight bytes, large steps' weight
+  launch, prefill launch, idle launch, sequences, small steps' weight bytes, large steps' weight
   bytes, linear FLOPs, small steps' extra FLOPs, prefill attention FLOPs, decode KV
   bytes (the inverse rates' order everywhere in this module). With `operators` the
   linear columns are empty (operator rates price that work) and, when `tie`, so is the
@@ -180,15 +185,17 @@ def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
   rows = []
   for w in works:
     if operators:
-      rows.append([1.0, 1.0 if w.has_prefill else 0.0, 0.0 if tie else w.num_sequences,
-                   0.0, 0.0, 0.0, 0.0, w.prefill_attention_flops, w.decode_kv_bytes])
+      rows.append([1.0, 1.0 if w.has_prefill else 0.0, 1.0 if w.after_idle else 0.0,
+                   0.0 if tie else w.num_sequences, 0.0, 0.0, 0.0, 0.0,
+                   w.prefill_attention_flops, w.decode_kv_bytes])
       continue
     small = w.num_tokens < knee
     memory = w.num_tokens < thresholds[0 if small else 1]
     busy = 1.0 if w.num_tokens > 0 else 0.0
     weights = w.weight_bytes if memory else 0.0
     flops = 0.0 if memory else w.linear_flops
-    rows.append([busy, 1.0 if w.has_prefill else 0.0, w.num_sequences,
+    rows.append([busy, 1.0 if w.has_prefill else 0.0, 1.0 if w.after_idle else 0.0,
+                 w.num_sequences,
                  (weights if small else 0.0) + (w.decode_kv_bytes if tie else 0.0),
                  0.0 if small else weights, flops, flops if small else 0.0,
                  w.prefill_attention_flops, 0.0 if tie else w.decode_kv_bytes])
@@ -198,11 +205,14 @@ def _design(works: Sequence[StepWork], knee: int, thresholds: tuple[int, int],
 def _predict(x: np.ndarray, works: Sequence[StepWork], knee: int, tie: bool,
              operators: bool) -> np.ndarray:
   """Seconds for inverse rates `x` (in `_design`'s column order), with the true max()."""
-  launch, prefill_launch, per_seq, small_w, large_w, flops, extra, prefill, decode = x
+  launch, prefill_launch, idle_launch, per_seq, small_w, large_w, flops, extra, prefill, \
+      decode = x
   out = []
   for w in works:
+    launches = (prefill_launch if w.has_prefill else 0.0) + (
+        idle_launch if w.after_idle else 0.0)
     if operators:
-      out.append(launch + (prefill_launch if w.has_prefill else 0.0) + (
+      out.append(launch + launches + (
           0.0 if tie else per_seq * w.num_sequences) + w.prefill_attention_flops * prefill
           + w.decode_kv_bytes * decode)
       continue
@@ -210,8 +220,7 @@ def _predict(x: np.ndarray, works: Sequence[StepWork], knee: int, tie: bool,
     compute = w.linear_flops * (flops + (extra if small else 0.0))
     memory = w.weight_bytes * (small_w if small else large_w)
     kv = w.decode_kv_bytes * (small_w if tie else decode)
-    out.append((1.0 if w.num_tokens > 0 else 0.0) * launch
-               + (prefill_launch if w.has_prefill else 0.0) + per_seq * w.num_sequences
+    out.append((1.0 if w.num_tokens > 0 else 0.0) * launch + launches + per_seq * w.num_sequences
                + max(compute, memory) + w.prefill_attention_flops * prefill + kv)
   return np.array(out)
 
@@ -277,9 +286,9 @@ def fit(samples: Sequence[Sample], model: StepModel, hardware: HardwareSpec, *,
   weights = _weights(weighting, works, measured)
   # Lower bounds on the inverse rates: the datasheet's peaks (1000x beyond without caps).
   slack = 1.0 if caps else 1e-3
-  lower = np.array([0.0, 0.0, 0.0, slack / hardware.hbm_bandwidth, slack / hardware.hbm_bandwidth,
-                    slack / hardware.peak_flops, 0.0, slack / hardware.peak_flops,
-                    slack / hardware.hbm_bandwidth])
+  lower = np.array([0.0, 0.0, 0.0, 0.0, slack / hardware.hbm_bandwidth,
+                    slack / hardware.hbm_bandwidth, slack / hardware.peak_flops, 0.0,
+                    slack / hardware.peak_flops, slack / hardware.hbm_bandwidth])
   floor = 1e-3 * float(np.median(np.abs(y * weights)))  # IRLS: no residual counts as 0
   def solve(thresholds: tuple[int, int]) -> tuple[float, np.ndarray]:
     unweighted = _design(works, knee, thresholds, tie, operators)
@@ -336,8 +345,13 @@ def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool, sour
            operators: OperatorRates | None) -> tuple[StepRates, tuple[str, ...]]:
   """Inverse rates (NaN: not identified) to `StepRates`, with fallbacks named; with
   `operators`, those price the non-attention work and the fit found the rest."""
-  launch, prefill_launch, per_seq, small_w, large_w, flops, extra, prefill, decode = solution
+  launch, prefill_launch, idle_launch, per_seq, small_w, large_w, flops, extra, prefill, \
+      decode = solution
   missing = []
+  fixed = dict(launch_s=0.0 if np.isnan(launch) else float(launch),
+               prefill_launch_s=0.0 if np.isnan(prefill_launch) else float(prefill_launch),
+               idle_launch_s=0.0 if np.isnan(idle_launch) else float(idle_launch),
+               per_sequence_s=0.0 if np.isnan(per_seq) else float(per_seq))
 
   def rate(inverse: float, name: str, fallback: float) -> float:
     if np.isnan(inverse) or inverse <= 0:
@@ -347,9 +361,7 @@ def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool, sour
 
   if operators is not None:
     return StepRates(
-        launch_s=0.0 if np.isnan(launch) else float(launch),
-        prefill_launch_s=0.0 if np.isnan(prefill_launch) else float(prefill_launch),
-        per_sequence_s=0.0 if np.isnan(per_seq) else float(per_seq), operators=operators,
+        **fixed, operators=operators,
         prefill_attention_flops=float(rate(prefill, "prefill_attention_flops",
                                            template.prefill_attention_flops)),
         decode_attention_bandwidth=float(rate(decode, "decode_attention_bandwidth",
@@ -365,10 +377,7 @@ def _rates(solution: np.ndarray, template: StepRates, knee: int, tie: bool, sour
   decode_bandwidth = small_bandwidth if tie else rate(decode, "decode_attention_bandwidth",
                                                       template.decode_attention_bandwidth)
   return StepRates(
-      launch_s=0.0 if np.isnan(launch) else float(launch),
-      prefill_launch_s=0.0 if np.isnan(prefill_launch) else float(prefill_launch),
-      per_sequence_s=0.0 if np.isnan(per_seq) else float(per_seq),
-      regimes=RegimeRates(knee_tokens=knee, small_flops=float(small_flops),
+      **fixed, regimes=RegimeRates(knee_tokens=knee, small_flops=float(small_flops),
                           small_bandwidth=float(small_bandwidth),
                           large_flops=float(large_flops),
                           large_bandwidth=float(large_bandwidth)),

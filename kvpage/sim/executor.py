@@ -26,7 +26,9 @@ clock to that end. So async scheduling (`Engine(async_scheduling=True)`, the
 default) overlaps as on a real device: a request that arrives while step k runs is
 scheduled into step k + 2, because step k + 1 was launched before step k's samples
 came back. The synchronous loop (`execute`) advances the clock by each step's cost,
-one after the other. Nothing compiles, so `warmup` does nothing and `num_compiles`
+one after the other. A step submitted `step_model.IDLE_GAP_S` or more after the device
+finished its last one is priced as launched after idle (`StepRates.idle_launch_s`).
+Nothing compiles, so `warmup` does nothing and `num_compiles`
 is 0.
 """
 
@@ -84,15 +86,17 @@ class SimExecutor(Executor):
     return self.buckets.padded_shape(output.num_batched_tokens, len(output.scheduled))
 
   def _price(self, sequences: Sequence[tuple[int, int]], num_swapped_pages: int = 0,
-             num_sampled: int | None = None, *, launch: bool = True) -> StepCost:
-    """One forward pass over `(new tokens, context)` per sequence, padded if bucketed."""
+             num_sampled: int | None = None, *, launch: bool = True,
+             after_idle: bool = False) -> StepCost:
+    """One forward pass over `(new tokens, context)` per sequence, padded if bucketed;
+    `after_idle`: launched after the device idled (`step_model.IDLE_GAP_S`)."""
     counts = metrics.step_counts(sequences, num_sampled)
     if self.buckets is not None and counts["num_sequences"]:
       counts = step_model.padded_counts(
           counts, *self.buckets.padded_shape(counts["num_tokens"], counts["num_sequences"]),
           metrics.longest_decode(sequences) if self.traits.decode_reads_longest else None)
     cost = self.model.price(self.model.work_from_counts(
-        **counts, num_swapped_pages=num_swapped_pages), launch=launch)
+        **counts, num_swapped_pages=num_swapped_pages, after_idle=after_idle), launch=launch)
     self.costs.append(cost)
     return cost
 
@@ -105,13 +109,15 @@ class SimExecutor(Executor):
   def submit(self, output: SchedulerOutput) -> tuple[float, Samples]:
     """Prices the step and queues it on the device's timeline, behind the step in
     flight; the ticket is when it ends and its samples."""
+    idle = self.clock() - self._device_free_at >= step_model.IDLE_GAP_S
     if output.num_steps > 1:
-      costs, samples = self._price_multi_step(output)
+      costs, samples = self._price_multi_step(output, idle)
     else:
       sequences = [(len(seq.token_ids), seq.start_position + len(seq.token_ids))
                    for seq in output.scheduled]
       costs = [self._price(sequences, len(output.swap_out) + len(output.swap_in),
-                           num_sampled=sum(seq.samples for seq in output.scheduled))]
+                           num_sampled=sum(seq.samples for seq in output.scheduled),
+                           after_idle=idle)]
       samples = {seq.request_id: DUMMY_TOKEN for seq in output.scheduled if seq.samples}
     parts: dict[str, float] = {}
     for cost in costs:
@@ -128,14 +134,15 @@ class SimExecutor(Executor):
     self._device_free_at = max(self._device_free_at, self.clock()) + seconds
     return self._device_free_at, samples
 
-  def _price_multi_step(self, output: SchedulerOutput) -> tuple[list[StepCost], Samples]:
+  def _price_multi_step(self, output: SchedulerOutput,
+                        after_idle: bool) -> tuple[list[StepCost], Samples]:
     """A multi-step decode, priced iteration by iteration (each a forward pass), the
-    launch paid once; its costs and samples."""
+    launch (and any idle launch) paid once; its costs and samples."""
     costs = []
     for i in range(max(seq.num_steps for seq in output.scheduled)):
       live = [seq for seq in output.scheduled if seq.num_steps > i]
       costs.append(self._price([(1, seq.start_position + 1 + i) for seq in live],
-                               launch=i == 0))
+                               launch=i == 0, after_idle=after_idle and i == 0))
     return costs, {seq.request_id: [DUMMY_TOKEN] * seq.num_steps
                    for seq in output.scheduled}
 

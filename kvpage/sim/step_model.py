@@ -5,6 +5,7 @@ tensor-parallel group of `tp`, takes
 
     launch                                   per step (kernel launches, host work)
   + prefill_launch, if it carries prompt chunks    only where a calibration shows one
+  + idle_launch, if the device sat idle before it  only where a calibration shows one
   + per_sequence x B                         scheduling, sampling, metadata per sequence
   + non-attention work at T tokens           the projections, norms, rope, activation,
                                              residual adds of every layer, the embedding,
@@ -33,7 +34,13 @@ the ratios of the datasheets.
 
 A step that carries prompt chunks may pay `prefill_launch` on top: kvpage's mixed XLA
 program pads its prompt chunks to query blocks, a fixed cost a CPU run's steps show.
-It is 0 unless a calibration finds it.
+A step launched after the device sat idle for `IDLE_GAP_S` or more may pay
+`idle_launch` on top: on a shared CPU a step after a pause runs on cold caches and
+on cores that slept (measured on the 2-core VM: a prompt step after 12-600 ms of idle
+took 1-30 ms longer than the same shape beside decodes, while steps 1-2 ms apart paid
+nothing). Both are 0 unless a calibration finds them; a fit without the idle term
+would read the cold prompt steps of a served run as a costlier mixed program and
+overprice every warm one.
 
 Engines compute padded shapes (vLLM pads decode batches to CUDA-graph sizes; kvpage
 pads every batch to its bucket ladder, `kvpage.batch.Buckets`), so a step costs what
@@ -71,8 +78,12 @@ from kvpage.sim import operators as operators_lib
 from kvpage.sim.hardware import HardwareSpec
 from kvpage.sim.operators import Datasheet, OperatorRates
 
-PARTS = ("launch", "prefill_launch", "sequences", "non_attention", "prefill_attention",
-         "decode_attention", "allreduce", "swap")
+# A step launched this long after the device finished its last one starts cold
+# (`StepWork.after_idle`); gaps between a busy engine's steps are well under it.
+IDLE_GAP_S = 5e-3
+
+PARTS = ("launch", "prefill_launch", "idle_launch", "sequences", "non_attention",
+         "prefill_attention", "decode_attention", "allreduce", "swap")
 
 
 def _check_rates(record: Any, names: Sequence[str], where: str) -> None:
@@ -116,7 +127,8 @@ class StepRates:
   the module docstring). The all-reduce's `allreduce_latency_s` and `link_bandwidth`
   (bytes/s each way per device) price group sizes the operator rates did not profile;
   they are the hardware entry's. `prefill_launch_s` is what a step carrying prompt
-  chunks pays beyond `launch_s` (0 unless calibrated). `measured_on`: the datasheet of
+  chunks pays beyond `launch_s`, `idle_launch_s` what a step launched after the device
+  idled (`StepWork.after_idle`) does (each 0 unless calibrated). `measured_on`: the datasheet of
   the device the rates were fitted on (None: a template), what `carried_to` scales by.
   `padded_work`: the rates price steps padded to the engine's buckets
   (`padded_counts`), as they were fit; `decode_reads_longest`: and each padded row's
@@ -138,6 +150,7 @@ class StepRates:
   regimes: RegimeRates | None = None
   operators: OperatorRates | None = None
   prefill_launch_s: float = 0.0
+  idle_launch_s: float = 0.0
   measured_on: Datasheet | None = None
   padded_work: bool = False
   decode_reads_longest: bool = False
@@ -160,7 +173,7 @@ class StepRates:
                        "and `operators` (per-operator rates)")
     _check_rates(self, ("launch_s", "per_sequence_s", "prefill_attention_flops",
                         "decode_attention_bandwidth", "allreduce_latency_s", "link_bandwidth",
-                        "prefill_launch_s"), "step rates")
+                        "prefill_launch_s", "idle_launch_s"), "step rates")
 
   @classmethod
   def template(cls, hardware: HardwareSpec) -> "StepRates":
@@ -247,6 +260,7 @@ class StepWork:
   num_allreduces: int
   swap_bytes: float = 0.0
   num_sampled: int = 0  # rows through the LM head
+  after_idle: bool = False  # launched IDLE_GAP_S or more after the device's last step
 
   @property
   def has_prefill(self) -> bool:
@@ -301,15 +315,16 @@ class StepModel:
                      host_link_bandwidth=self.host_link_bandwidth)
 
   def work(self, sequences: Sequence[tuple[int, int]], num_swapped_pages: int = 0,
-           num_sampled: int | None = None) -> StepWork:
+           num_sampled: int | None = None, after_idle: bool = False) -> StepWork:
     """`sequences`: `(new tokens, context length including them)` per scheduled sequence;
-    `num_sampled` rows go through the LM head (default: one per sequence)."""
+    `num_sampled` rows go through the LM head (default: one per sequence);
+    `after_idle`: the step starts after the device idled (`IDLE_GAP_S`)."""
     return self.work_from_counts(**metrics.step_counts(sequences, num_sampled),
-                                 num_swapped_pages=num_swapped_pages)
+                                 num_swapped_pages=num_swapped_pages, after_idle=after_idle)
 
   def work_from_counts(self, *, num_tokens: int, num_sequences: int, num_sampled: int,
                        prefill_pairs: int, decode_context: int,
-                       num_swapped_pages: int = 0) -> StepWork:
+                       num_swapped_pages: int = 0, after_idle: bool = False) -> StepWork:
     """`work` from a step's counts (`step_counts`; what `steps.jsonl` records)."""
     busy = num_tokens > 0
     return StepWork(
@@ -322,7 +337,8 @@ class StepModel:
         decode_kv_bytes=float(self.kv_bytes_per_token * decode_context),
         allreduce_bytes=float(num_tokens * self.model.d_model * self.weight_itemsize),
         num_allreduces=2 * self.model.num_layers if self.tensor_parallel > 1 and busy else 0,
-        swap_bytes=float(num_swapped_pages * self.page_size * self.kv_bytes_per_token))
+        swap_bytes=float(num_swapped_pages * self.page_size * self.kv_bytes_per_token),
+        after_idle=after_idle and busy)
 
   def _layer_costs(self, num_tokens: int) -> tuple[dict[str, float], str]:
     """One layer's non-attention operators at `num_tokens`, seconds each (operator
@@ -383,6 +399,7 @@ class StepModel:
     parts = dict(
         launch=r.launch_s if busy and launch else 0.0,
         prefill_launch=r.prefill_launch_s if work.has_prefill and launch else 0.0,
+        idle_launch=r.idle_launch_s if work.after_idle and launch else 0.0,
         sequences=r.per_sequence_s * work.num_sequences,
         non_attention=non_attention,
         prefill_attention=work.prefill_attention_flops / r.prefill_attention_flops,
@@ -393,16 +410,17 @@ class StepModel:
 
   def named_parts(self, cost: StepCost) -> dict[str, float]:
     """A priced step's parts as a reader asks for them, in seconds: its launch (with any
-    `prefill_launch`), per-sequence work, ONE layer's non-attention operators, all-reduces
-    and attention on one device, the once-a-step operators (embedding, final norm, LM
-    head), swaps, and the total. The total is the launch, sequences, step operators and
-    swaps plus the number of layers times the three per-layer parts. With regime rates
-    the non-attention work is one roofline: spread over the layers, head included."""
+    `prefill_launch` and `idle_launch`), per-sequence work, ONE layer's non-attention
+    operators, all-reduces and attention on one device, the once-a-step operators
+    (embedding, final norm, LM head), swaps, and the total. The total is the launch,
+    sequences, step operators and swaps plus the number of layers times the three
+    per-layer parts. With regime rates the non-attention work is one roofline: spread
+    over the layers, head included."""
     parts, layers = cost.parts, self.model.num_layers
     step_ops = (sum(self.step_operator_parts(cost.work.num_tokens,
                                              cost.work.num_sampled).values())
                 if self.rates.operators is not None and cost.work.num_tokens else 0.0)
-    return dict(launch_s=parts["launch"] + parts["prefill_launch"],
+    return dict(launch_s=parts["launch"] + parts["prefill_launch"] + parts["idle_launch"],
                 sequences_s=parts["sequences"],
                 non_attention_layer_s=(parts["non_attention"] - step_ops) / layers,
                 all_reduce_layer_s=parts["allreduce"] / layers,
