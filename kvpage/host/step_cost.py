@@ -25,7 +25,10 @@ off by the ratio of the two kinds: about 7x on the simulated 13B A100 (0.28 s fo
 The samples are the scheduler's own view of a step (schedule to samples back), so the
 model includes host overhead and, on a real device, whatever the roofline misses.
 A sample far above what the fit predicts (a compilation: seconds, where steps take
-milliseconds) is left out.
+milliseconds) is left out. A fit is kept until an eighth of the samples it was fit on
+have been replaced by new steps (every step while there are fewer than 16): refitting
+after every step, as admission asked for a forecast between each, took ~9% of the
+tiny server's one core at 5x overload (165 arrivals/s, ~50 steps/s).
 
 Pure Python + numpy: never imports jax.
 """
@@ -36,6 +39,7 @@ import itertools
 import numpy as np
 
 MIN_SAMPLES = 2  # steps before the model predicts anything
+REFIT_FRACTION = 8  # refit after 1/REFIT_FRACTION of the samples are new
 KIND_SAMPLES = 8  # steps of a kind before it is fit on its own
 BORROWED_ERROR = 0.25  # the relative error assumed of a kind priced by the other's fit
 OUTLIER = 20.0  # a sample this many times the prediction is a compile, not a step
@@ -49,10 +53,10 @@ class StepCostModel:
     # (True) and of decode-only steps (False).
     self._samples: dict[bool, collections.deque[tuple[int, int, float]]] = {
         kind: collections.deque(maxlen=window) for kind in (True, False)}
-    # The last fit of each kind; refit only when a forecast asks after new samples, so
-    # observing a step costs the scheduler next to nothing.
+    # The last fit of each kind; refit only when a forecast asks after enough new
+    # samples (`REFIT_FRACTION`), so observing a step costs the scheduler next to nothing.
     self._fits: dict[bool, tuple[float, float, float, float] | None] = {}
-    self._stale = False
+    self._new = 0  # samples observed since the fits were made
 
   def observe(self, num_tokens: int, num_context_tokens: int, seconds: float, *,
               num_sequences: int) -> None:
@@ -64,7 +68,7 @@ class StepCostModel:
     if fit is not None and seconds > OUTLIER * _price(fit, num_tokens, num_context_tokens):
       return
     self._samples[prefill].append((num_tokens, num_context_tokens, seconds))
-    self._stale = True
+    self._new += 1
 
   def predict(self, num_tokens: float, num_context_tokens: float,
               prefill: bool) -> float | None:
@@ -78,8 +82,9 @@ class StepCostModel:
     """(launch s, s per token, s per context token, floor s) for steps with prefill
     tokens or decode-only steps, all >= 0 (the floor is 0 for a kind fit on its own);
     None without data."""
-    if self._stale:
-      self._fits, self._stale = {}, False
+    total = sum(map(len, self._samples.values()))
+    if self._new and self._new >= total // REFIT_FRACTION:
+      self._fits, self._new = {}, 0
     if prefill not in self._fits:
       own = self._samples[prefill]
       every = [row for samples in self._samples.values() for row in samples]
