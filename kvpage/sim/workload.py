@@ -326,8 +326,12 @@ def conversations(trace: Sequence[TraceRequest], *, turns: int, gap_s: float,
 
 
 def to_jsonl(trace: Sequence[TraceRequest]) -> str:
-  """The trace as JSONL text, one request per line (what `load_jsonl` reads)."""
-  return "".join(json.dumps(dataclasses.asdict(request)) + "\n" for request in trace)
+  """The trace as JSONL text, one request per line (what `load_jsonl` reads). Fields
+  are read as they are (`dataclasses.asdict` would deep-copy every prompt id: a quarter
+  of a 600-request simulated run with 8,000-token prompts)."""
+  names = [field.name for field in dataclasses.fields(TraceRequest)]
+  return "".join(json.dumps({name: getattr(request, name) for name in names}) + "\n"
+                 for request in trace)
 
 
 def save_jsonl(trace: Sequence[TraceRequest], path: str | pathlib.Path) -> None:
