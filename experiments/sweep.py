@@ -17,7 +17,11 @@ than the token budget, say) is one line of error and nothing runs.
 
 Each cell runs in-process through `serve_bench.run_bench` — the same code as a
 standalone serve_bench run, so a cell's summary is that run's — on the simulator or the
-real model. `--workdir` gets:
+real model. With `--sweep_workers=N` (N > 1) the cells run N at a time, each in a
+worker process of its own (spawned, so no JAX state is forked), for simulated sweeps,
+whose runs are pure host work: on this 2-core VM two workers halve a study's wall time.
+Real-model cells need the whole machine (each compiles and times steps): keep them at
+one worker. A row is appended as its cell ends, whatever the order. `--workdir` gets:
 
   results.jsonl   one row per run, appended as it ends: the cell (swept values, seed),
                   the flat metrics, the whole summary (with its premises)
@@ -28,12 +32,14 @@ real model. `--workdir` gets:
   runs/CELL_ID/   with --keep_runs: each run's serve_bench files
 """
 
+import concurrent.futures
 import csv
 import dataclasses
 import hashlib
 import io
 import itertools
 import json
+import multiprocessing
 import pathlib
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,6 +54,8 @@ _SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell: --seed, --seed + 1, .
 _PLOT_X = flags.DEFINE_string("plot_x", None, "The load axis of curves.png (default: "
                               "arrival_rate if swept, else the first numeric swept key).")
 _KEEP_RUNS = flags.DEFINE_bool("keep_runs", False, "Keep each run's files in runs/CELL_ID/.")
+WORKERS = flags.DEFINE_integer("sweep_workers", 1, "Cells run at once, each in a worker "
+                               "process (simulated sweeps; real-model cells need 1).")
 flags.FLAGS.set_default("workdir", "workdir/sweep")
 
 RESULTS, TABLE, MANIFEST, CURVES = "results.jsonl", "results.csv", "sweep.json", "curves.png"
@@ -304,32 +312,59 @@ def run_sweep(config: ml_collections.ConfigDict, cells: Sequence[Cell],
   return run_cells(cells, directory, show_progress=show_progress, keep_runs=keep_runs)
 
 
+def workers() -> int:
+  """`--sweep_workers`, or 1 where flags were never parsed (a notebook, a test)."""
+  return WORKERS.value if flags.FLAGS.is_parsed() else 1
+
+
 def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: bool = True,
-              keep_runs: bool = False) -> list[dict[str, Any]]:
-  """Runs the cells not done yet, appending a row to results.jsonl as each ends; returns
-  the rows of every cell (done before or now), in grid order."""
+              keep_runs: bool = False, num_workers: int | None = None) -> list[dict[str, Any]]:
+  """Runs the cells not done yet, `num_workers` at a time (default `--sweep_workers`;
+  see the module docstring), appending a row to results.jsonl as each ends; returns the
+  rows of every cell (done before or now), in grid order."""
+  num_workers = workers() if num_workers is None else num_workers
+  if num_workers < 1:
+    raise ValueError(f"--sweep_workers must be >= 1, got {num_workers}")
   done = {row["cell_id"]: row for row in read_rows(directory)}
   todo = [cell for cell in cells if cell.cell_id not in done]
+
+  def record(cell: Cell, summary: dict[str, Any], files: dict[str, str]) -> None:
+    row = dict(cell_id=cell.cell_id, cell=cell.values, metrics=flatten(summary),
+               summary=summary, premises=summary["premises"])
+    if keep_runs:
+      run_directory = directory / "runs" / cell.cell_id
+      run_directory.mkdir(parents=True, exist_ok=True)
+      cli.write_files(run_directory, files)
+    with (directory / RESULTS).open("a") as results:  # one write per row
+      results.write(json.dumps(row) + "\n")
+    done[cell.cell_id] = row
+    cli.write_files(directory, {TABLE: tidy_table([done[c.cell_id] for c in cells
+                                                   if c.cell_id in done])})
+
   with progress.Bars(enabled=show_progress) as bars:
     grid = bars.add(f"sweep {len(cells) - len(todo)}/{len(cells)} done", len(todo))
-    for number, cell in enumerate(todo):
-      grid.update(number, cell.describe())
-      summary, files = serve_bench.run_bench(cell.config, bars=bars)
-      row = dict(cell_id=cell.cell_id, cell=cell.values, metrics=flatten(summary),
-                 summary=summary, premises=summary["premises"])
-      if keep_runs:
-        run_directory = directory / "runs" / cell.cell_id
-        run_directory.mkdir(parents=True, exist_ok=True)
-        cli.write_files(run_directory, files)
-      with (directory / RESULTS).open("a") as results:  # one write per row
-        results.write(json.dumps(row) + "\n")
-      done[cell.cell_id] = row
-      cli.write_files(directory, {TABLE: tidy_table([done[c.cell_id] for c in cells
-                                                     if c.cell_id in done])})
+    if num_workers == 1 or len(todo) < 2:
+      for number, cell in enumerate(todo):
+        grid.update(number, cell.describe())
+        record(cell, *serve_bench.run_bench(cell.config, bars=bars))
+    else:
+      context = multiprocessing.get_context("spawn")
+      with concurrent.futures.ProcessPoolExecutor(min(num_workers, len(todo)),
+                                                  mp_context=context) as pool:
+        running = {pool.submit(_run_cell, cell.config): cell for cell in todo}
+        for number, future in enumerate(concurrent.futures.as_completed(running)):
+          cell = running[future]
+          record(cell, *future.result())
+          grid.update(number + 1, cell.describe())
     grid.update(len(todo), "done")
   rows = [done[cell.cell_id] for cell in cells]
   cli.write_files(directory, {TABLE: tidy_table(rows)})
   return rows
+
+
+def _run_cell(config: ml_collections.ConfigDict) -> tuple[dict[str, Any], dict[str, str]]:
+  """One cell in a worker process (`run_cells`): its summary and files."""
+  return serve_bench.run_bench(config, show_progress=False)
 
 
 def default_x(axes: Sequence[Axis]) -> str:

@@ -72,6 +72,21 @@ def test_a_sweep_resumes_skipping_done_cells(sweep_worker, tmp_path):
   assert "num_requests" in stderr
 
 
+def test_workers_run_the_same_rows_as_one_process(sweep_worker, tmp_path):
+  """Two spawned workers: every row as the serial sweep wrote it (the simulator is
+  deterministic), appended as each cell ends; a resumed sweep runs nothing again."""
+  argv = [*BASE, "--sweep=watermark=0.05,0.3", "--seeds=2"]
+  assert sweep_worker.run([*argv, f"--workdir={tmp_path}/one"]) == (0, "")
+  assert sweep_worker.run([*argv, "--sweep_workers=2", f"--workdir={tmp_path}/two"]) == (0, "")
+  serial = {row["cell_id"]: row for row in rows_of(tmp_path / "one")}
+  parallel = {row["cell_id"]: row for row in rows_of(tmp_path / "two")}
+  assert parallel == serial and len(parallel) == 4
+  assert sweep_worker.run([*argv, "--sweep_workers=2", f"--workdir={tmp_path}/two"]) == (0, "")
+  assert len(rows_of(tmp_path / "two")) == 4
+  rc, stderr = sweep_worker.run([*argv, "--sweep_workers=0", f"--workdir={tmp_path}/zero"])
+  assert rc != 0 and "--sweep_workers must be >= 1" in stderr
+
+
 @pytest.mark.parametrize("flags,message", [
     ([], "nothing to sweep"),
     (["--sweep=chunk_size"], "must be KEY=V1,V2"),
