@@ -28,8 +28,7 @@ scheduled into step k + 2, because step k + 1 was launched before step k's sampl
 came back. The synchronous loop (`execute`) advances the clock by each step's cost,
 one after the other. A step submitted `step_model.IDLE_GAP_S` or more after the device
 finished its last one is priced as launched after idle (`StepRates.idle_launch_s`).
-Nothing compiles, so `warmup` does nothing and `num_compiles`
-is 0.
+Nothing compiles, so `warmup` does nothing and `num_compiles` is 0.
 """
 
 from collections.abc import Sequence
