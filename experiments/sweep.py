@@ -351,9 +351,9 @@ def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: 
       context = multiprocessing.get_context("spawn")
       with concurrent.futures.ProcessPoolExecutor(min(num_workers, len(todo)),
                                                   mp_context=context) as pool:
-        running = {pool.submit(_run_cell, cell.config): cell for cell in todo}
+        running = {pool.submit(_run_cell, cell.config, keep_runs): cell for cell in todo}
         for number, future in enumerate(concurrent.futures.as_completed(running)):
-          cell = running[future]
+          cell = running.pop(future)
           record(cell, *future.result())
           grid.update(number + 1, cell.describe())
     grid.update(len(todo), "done")
@@ -362,9 +362,13 @@ def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: 
   return rows
 
 
-def _run_cell(config: ml_collections.ConfigDict) -> tuple[dict[str, Any], dict[str, str]]:
-  """One cell in a worker process (`run_cells`): its summary and files."""
-  return serve_bench.run_bench(config, show_progress=False)
+def _run_cell(config: ml_collections.ConfigDict,
+              keep_runs: bool) -> tuple[dict[str, Any], dict[str, str]]:
+  """One cell in a worker process (`run_cells`): its summary, and its files if they are
+  kept (a run's trace and step records run to megabytes: a study's thousands of cells
+  would pile up in the parent)."""
+  summary, files = serve_bench.run_bench(config, show_progress=False)
+  return summary, files if keep_runs else {}
 
 
 def default_x(axes: Sequence[Axis]) -> str:
