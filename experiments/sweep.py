@@ -352,10 +352,14 @@ def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: 
       with concurrent.futures.ProcessPoolExecutor(min(num_workers, len(todo)),
                                                   mp_context=context) as pool:
         running = {pool.submit(_run_cell, cell.config, keep_runs): cell for cell in todo}
-        for number, future in enumerate(concurrent.futures.as_completed(running)):
-          cell = running.pop(future)
-          record(cell, *future.result())
-          grid.update(number + 1, cell.describe())
+        try:
+          for number, future in enumerate(concurrent.futures.as_completed(running)):
+            cell = running.pop(future)
+            record(cell, *future.result())
+            grid.update(number + 1, cell.describe())
+        except BaseException:  # a failed cell or an interrupt: run no more cells
+          pool.shutdown(wait=True, cancel_futures=True)
+          raise
     grid.update(len(todo), "done")
   rows = [done[cell.cell_id] for cell in cells]
   cli.write_files(directory, {TABLE: tidy_table(rows)})

@@ -87,6 +87,22 @@ def test_workers_run_the_same_rows_as_one_process(sweep_worker, tmp_path):
   assert rc != 0 and "--sweep_workers must be >= 1" in stderr
 
 
+def test_a_cell_failing_in_a_worker_stops_the_sweep_with_its_error(tmp_path):
+  from configs import llama_13b
+  config = llama_13b.get_config()
+  config.bench.update(dict(executor="sim", num_requests=8, prompt_len="mix:0.2:1500:100",
+                           output_len="uniform:8:16"))
+  config.hardware = "a100_80gb"
+  bad = config.copy_and_resolve_references()
+  bad.bench.prompt_len = "zipf:3"  # past the grid check: fails when its run starts
+  cells = [sweep.Cell({"scheduler.watermark": w, "seed": 0}, c)
+           for w, c in ((0.1, config), (0.2, bad), (0.3, config), (0.4, config))]
+  with pytest.raises(ValueError, match="zipf"):
+    sweep.run_cells(cells, tmp_path, show_progress=False, num_workers=2)
+  results = tmp_path / sweep.RESULTS
+  assert not results.exists() or len(rows_of(tmp_path)) < 3  # no cell after it ran
+
+
 @pytest.mark.parametrize("flags,message", [
     ([], "nothing to sweep"),
     (["--sweep=chunk_size"], "must be KEY=V1,V2"),
