@@ -35,6 +35,7 @@ one worker. A row is appended as its cell ends, whatever the order. `--workdir` 
 import concurrent.futures
 import csv
 import dataclasses
+import functools
 import hashlib
 import io
 import itertools
@@ -351,19 +352,29 @@ def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: 
       context = multiprocessing.get_context("spawn")
       with concurrent.futures.ProcessPoolExecutor(min(num_workers, len(todo)),
                                                   mp_context=context) as pool:
-        running = {pool.submit(_run_cell, cell.config, keep_runs): cell for cell in todo}
-        try:
-          for number, future in enumerate(concurrent.futures.as_completed(running)):
-            cell = running.pop(future)
-            record(cell, *future.result())
-            grid.update(number + 1, cell.describe())
-        except BaseException:  # a failed cell or an interrupt: run no more cells
-          pool.shutdown(wait=True, cancel_futures=True)
-          raise
+        def on_done(number: int, cell: Cell, result: tuple[dict[str, Any], dict[str, str]]):
+          record(cell, *result)
+          grid.update(number + 1, cell.describe())
+        run_in_pool(pool, todo, functools.partial(_run_cell, keep_runs=keep_runs), on_done)
     grid.update(len(todo), "done")
   rows = [done[cell.cell_id] for cell in cells]
   cli.write_files(directory, {TABLE: tidy_table(rows)})
   return rows
+
+
+def run_in_pool(pool: concurrent.futures.Executor, cells: Sequence[Cell],
+                run: Callable[[ml_collections.ConfigDict], Any],
+                on_done: Callable[[int, Cell, Any], None]) -> None:
+  """Submits `run(cell.config)` for every cell and hands each result to `on_done` in the
+  order the cells end. The first cell that raises (or an interrupt) ends it: the cells
+  not started are cancelled, those running are waited for and dropped, the error raised."""
+  running = {pool.submit(run, cell.config): cell for cell in cells}
+  try:
+    for number, future in enumerate(concurrent.futures.as_completed(running)):
+      on_done(number, running.pop(future), future.result())
+  except BaseException:
+    pool.shutdown(wait=True, cancel_futures=True)
+    raise
 
 
 def _run_cell(config: ml_collections.ConfigDict,
