@@ -182,7 +182,9 @@ def main(argv: list[str]) -> None:
                                  scheduler_config.max_num_batched_tokens,
                                  num_decode_steps=scheduler_config.num_decode_steps)
     server, url = start_server(
-        ["experiments.serve", "--port=0", "--warmup_sampling=false", *shared], engine_cores)
+        # The in-process engine holds no serving line, so neither does the server.
+        ["experiments.serve", "--port=0", "--warmup_sampling=false", "--ttft_line_s=0",
+         *shared], engine_cores)
     try:
       load = LoadConfig(url=url, num_requests=_NUM_REQUESTS.value, request_rate=_RATE.value,
                         prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,

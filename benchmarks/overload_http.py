@@ -43,9 +43,12 @@ p50/p95/p99 of the served requests, TPOT p50, rejections by status and by cause 
 server's `x-kvpage-reject-reason`). A line meets the bullet when, in every seed, the TTFT
 p95 of what it served is within the TTFT SLO and it served at least 30% of requests.
 
-Lines (`--lines`): `default` (configs/scheduler.py as it stands: nothing overridden but
-the pool), `none` (the no-line server above), `wait:F` (the default plus
-`max_forecast_ttft_s` = F x the TTFT SLO, in seconds), `slowdown:S` (the default plus
+Lines (`--lines`): `default` (the server as shipped: nothing overridden but the pool,
+so the config's scheduler section and its serving line `server.ttft_line_s`, which
+configs/tiny.py sets; each server's record says which line it held), `none` (the no-line
+server above, the serving line off too), `wait:F` (the default with
+`max_forecast_ttft_s` = F x the TTFT SLO, in seconds, in place of the serving line),
+`slowdown:S` (the default plus
 `max_ttft_slowdown` = S: each request refused when its forecast first token comes later
 than S x its own on an idle engine), `tokens:F` (the default plus
 `max_inflight_tokens` = F x max_num_seqs x (prompt + output): the tokens of a full

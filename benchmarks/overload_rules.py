@@ -39,10 +39,12 @@ SMOKE = dict(prompt_len=32, output_len=8, at_once_requests=16, unloaded_requests
              overload_s=1.0, min_requests=12, max_requests=24, seeds=1,
              lines=["default", "wait:1"], capacity="at_once", low_load=1.0,
              warmup_requests=4)
-# The no-line server: every line of configs/scheduler.py off.
+# The no-line server: every line of configs/scheduler.py off, and the server's own
+# forecast-TTFT line (`server.ttft_line_s`, a dotted config path) too.
 NO_LINE = {"admission": "queue_only", "max_waiting": 0, "rate_limit": 0.0,
            "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_ttft_s": 0.0,
-           "max_ttft_slowdown": 0.0}
+           "max_ttft_slowdown": 0.0, "server.ttft_line_s": 0.0}
+ADMISSION_LINE = "kvpage serve: admission: "  # what a server says it holds, at start
 # The parts of a line: wait:F (x the TTFT SLO, seconds), tokens:F (x a full running
 # batch's tokens), step_tokens:N (a step's token budget; batching, not admission),
 # slowdown:S (max_ttft_slowdown: S x each request's own idle time to first token).
@@ -153,12 +155,14 @@ class Server:
     self.stderr: list[str] = []
     threading.Thread(target=self.stderr.extend, args=(self.process.stderr,),
                      daemon=True).start()
-    self.url, self.num_pages = "", 0
+    self.url, self.num_pages, self.admission = "", 0, ""
     deadline = time.monotonic() + timeout_s
     assert self.process.stdout is not None
     try:
       for line in self.process.stdout:
         self.lines.append(line)
+        if line.startswith(ADMISSION_LINE):
+          self.admission = line[len(ADMISSION_LINE):].strip()
         found = re.search(r" on (http://127\.0\.0\.1:\d+) .*?([\d,]+) KV pages", line)
         if found:
           self.url, self.num_pages = found.group(1), int(found.group(2).replace(",", ""))
@@ -411,7 +415,8 @@ def run_benchmark(settings: Settings, config: Any, progress: Callable[[str], Non
   loads = Loads(settings, config.model.vocab_size)
 
   def line_flags(values: Mapping[str, Any]) -> list[str]:
-    return [*shared, *(f"--config.scheduler.{key}={value}" for key, value in values.items())]
+    return [*shared, *(f"--config.{key if '.' in key else 'scheduler.' + key}={value}"
+                       for key, value in values.items())]
 
   started_at = time.time()
   with started(line_flags(NO_LINE), server_cores) as base:
@@ -436,7 +441,7 @@ def run_benchmark(settings: Settings, config: Any, progress: Callable[[str], Non
       low = (loads.run(server, rate=low_rate, count=low_count) if settings.low_load
              else None)
       runs = [loads.run(server, rate=rate, count=count, seed=seed) for seed in seeds]
-      return dict(low_load=low, runs=runs)
+      return dict(server_admission=server.admission, low_load=low, runs=runs)
 
     lines: dict[str, Any] = {}
     if "none" in settings.lines:  # the no-line server is that line's server
@@ -481,6 +486,7 @@ def run_benchmark(settings: Settings, config: Any, progress: Callable[[str], Non
                                       / config.cache.page_size),
           full_batch_tokens=batch_tokens, max_retries=settings.max_retries,
           shipped_scheduler=defaults.to_dict(), scheduler=scheduler.to_dict(),
+          server=config.server.to_dict(),
           server_models=server_models, server_cores=sorted(server_cores or []),
           client_cores=sorted(client_cores or []), wall_s=time.time() - started_at,
           **premises.environment()))

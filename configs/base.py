@@ -87,10 +87,16 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # (`kvpage.serve.app.ServerConfig.from_config`); its flags of the same names set these.
   # `served_model_name` "" = the checkpoint's directory name, else the model's name;
   # `max_queue_wait_s` None = no default wait deadline.
+  # `ttft_line_s`: the forecast-TTFT line the server holds when the scheduler section
+  # holds none of its own (`max_forecast_ttft_s` and `max_ttft_slowdown` both 0): a
+  # request whose forecast first token comes later than this is refused (429
+  # wait_forecast, with a retry hint). The line study's answer at 5x overload is this
+  # line, in seconds of the deployment's TTFT SLO, so a model config sets it from its
+  # own measurements; None or 0 = none (offline runs, serve_bench, never hold it).
   config.server = ml_collections.ConfigDict(dict(
       host="127.0.0.1", port=8000, served_model_name="",
       max_queue_wait_s=placeholder(float), drain_timeout_s=30.0,
-      status_interval_s=1.0, kv_pressure_status=503))
+      status_interval_s=1.0, kv_pressure_status=503, ttft_line_s=placeholder(float)))
   return config
 
 
@@ -182,6 +188,11 @@ def check_server(server) -> None:
     value = server.get(name)
     if value is not None or name != "max_queue_wait_s":
       _positive_number(f"server.{name}", value)
+  line = server.get("ttft_line_s")
+  if line is not None and (isinstance(line, bool) or not isinstance(line, (int, float))
+                           or not 0 <= line < float("inf")):
+    raise ValueError(f"server.ttft_line_s must be a number of seconds >= 0 (0 or None: no "
+                     f"line), got {line!r}")
   if server.get("kv_pressure_status") not in (429, 503):
     raise ValueError(f"server.kv_pressure_status must be 503 or 429, got "
                      f"{server.get('kv_pressure_status')!r}")

@@ -14,4 +14,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # CPU scale: 255 pages of 16 tokens hold ~4k tokens, so 64 sequences is plenty, and a
   # smaller pinned batch keeps the padded rows of mixed steps cheap.
   config.scheduler.max_num_seqs = 64
+  # The server's forecast-TTFT line (the line study's answer at 5x overload: a wait line
+  # in seconds of the TTFT SLO). benchmarks/overload_http.py on a 2-vCPU host (128-token
+  # prompts, 64-token outputs): TTFT SLOs of 82-299 ms by its rule, and at 5x this line
+  # served 43% of requests with a TTFT p95 of 62 ms. Offline runs never hold it.
+  config.server.ttft_line_s = 0.05
   return config

@@ -241,6 +241,20 @@ def apply_scheduler_shortcuts(config, holders: dict[str, flags.FlagHolder]) -> N
         raise ValueError(f"--{name}={holder.value!r} must be of type {kind.__name__}") from None
 
 
+def hold_serving_line(config: Any) -> str:
+  """The server's default forecast-TTFT line (`server.ttft_line_s`) into the scheduler
+  section, unless that holds a forecast-TTFT line of its own; says which line holds."""
+  scheduler, line = config.scheduler, config.server.get("ttft_line_s")
+  if scheduler.max_forecast_ttft_s or scheduler.max_ttft_slowdown:
+    return ("forecast TTFT line of the scheduler section: "
+            + ", ".join(f"{name} {scheduler[name]:g}" for name in
+                        ("max_forecast_ttft_s", "max_ttft_slowdown") if scheduler[name]))
+  if not line:
+    return "no forecast TTFT line (server.ttft_line_s unset)"
+  scheduler.max_forecast_ttft_s = float(line)
+  return f"forecast TTFT line {line:g} s (server.ttft_line_s)"
+
+
 def define_tensor_parallel() -> flags.FlagHolder:
   """`--tensor_parallel`, the shortcut for `--config.mesh.tensor_parallel`."""
   return flags.DEFINE_integer("tensor_parallel", None,

@@ -50,6 +50,10 @@ _SERVER_FLAGS = {
     "status_interval_s": flags.DEFINE_float(
         "status_interval_s", None,
         "Seconds between queueing statuses on a waiting stream (server.status_interval_s)."),
+    "ttft_line_s": flags.DEFINE_float(
+        "ttft_line_s", None, "Refuse (429) a request whose forecast first token comes "
+        "later than this many seconds, unless the scheduler section holds a forecast-TTFT "
+        "line of its own; 0 = none (server.ttft_line_s; configs/tiny.py: 0.05)."),
     "kv_pressure_status": flags.DEFINE_enum(
         "kv_pressure_status", None, ["503", "429"],
         "HTTP status for cache pressure, 429 for proxies that eject upstreams answering "
@@ -100,6 +104,7 @@ def main(argv: list[str]) -> None:
     if holder.value is not None:
       config.server[name] = int(holder.value) if name == "kv_pressure_status" else holder.value
   configs_check.check(config)
+  line = cli.hold_serving_line(config)
   tokenizer, eos_ids = None, ()
   if _CHECKPOINT.value:
     tokenizer = hf.load_tokenizer(_CHECKPOINT.value)
@@ -115,6 +120,8 @@ def main(argv: list[str]) -> None:
                      f"is {setup.config.model.vocab_size}")
   if build.follow(setup.engine):  # a process other than 0: it steps, process 0 serves
     return
+  print(f"kvpage serve: admission: {config.scheduler.admission}, watermark "
+        f"{config.scheduler.watermark:g}; {line}", flush=True)
   try:
     _serve(setup, tokenizer, eos_ids)
   finally:

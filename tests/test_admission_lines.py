@@ -178,3 +178,22 @@ def test_refused_newcomers_share_one_forecast_and_leave_the_queue_as_it_was(monk
   assert sched._queues().key == joins and not sched.waiting
   assert sched.add_request(req("long", 8, 4)).cause == "wait_forecast"  # another shape
   assert len(runs) == 2
+
+
+def test_a_prompt_too_long_for_the_wait_line_is_held_to_twice_its_idle_time():
+  # "d" is forecast its first token at 0.85 s (as above), 0.125 s alone on an idle
+  # engine. A 0.2 s line would refuse it; so would a 0.1 s line, which it cannot meet
+  # even alone: that line holds it to 2 x 0.125 s instead, and says so.
+  sched, _ = two_running(max_num_seqs=2)
+  own = req("c", 4, 4)
+  own.max_queue_wait_s = 1.0
+  assert sched.add_request(own).admitted
+  sched.config.max_forecast_ttft_s = 0.1
+  answer = sched.add_request(req("d", 4, 4))
+  assert answer.cause == "wait_forecast"
+  assert "2 x this request's 125.0 ms on an idle engine" in answer.reason
+  assert "too long for the server's max_forecast_ttft_s 0.1 s" in answer.reason
+  # Alone on the engine, the same prompt is let in under the same line.
+  idle, _ = scheduler(max_num_seqs=2, max_forecast_ttft_s=0.1)
+  idle.admission.wait.costs = sched.admission.wait.costs
+  assert idle.add_request(req("d", 4, 4)).admitted

@@ -1,5 +1,6 @@
 """Configs load with their variants and read dimensions from the one table."""
 
+import ml_collections
 import pytest
 
 from configs import base, llama3_8b, llama_13b, small, tiny
@@ -70,3 +71,27 @@ def test_a_real_runs_pool_comes_from_one_byte_budget():
   config.cache.kv_memory_gib = -1.0
   with pytest.raises(ValueError, match=r"cache\.kv_memory_gib must be a finite number"):
     base.check(config)
+
+
+def test_the_server_holds_its_serving_line_unless_the_scheduler_holds_one():
+  from experiments import cli
+  config = tiny.get_config()
+  assert config.server.ttft_line_s == 0.05 and config.scheduler.max_forecast_ttft_s == 0
+  assert cli.hold_serving_line(config) == "forecast TTFT line 0.05 s (server.ttft_line_s)"
+  assert config.scheduler.max_forecast_ttft_s == 0.05
+  config = tiny.get_config()
+  config.scheduler.max_ttft_slowdown = 4.0  # a line of the scheduler's own takes its place
+  assert "max_ttft_slowdown 4" in cli.hold_serving_line(config)
+  assert config.scheduler.max_forecast_ttft_s == 0
+  config = tiny.get_config()
+  config.server.ttft_line_s = 0.0  # off
+  assert cli.hold_serving_line(config).startswith("no forecast TTFT line")
+  assert config.scheduler.max_forecast_ttft_s == 0
+  assert llama_13b.get_config().server.ttft_line_s is None  # no serving line measured
+
+
+@pytest.mark.parametrize("value", [-0.1, float("inf"), "0.1", True])
+def test_a_serving_line_that_is_not_seconds_is_refused(value):
+  server = {**tiny.get_config().server.to_dict(), "ttft_line_s": value}  # as a file may
+  with pytest.raises(ValueError, match=r"server\.ttft_line_s must be a number of seconds"):
+    base.check_server(ml_collections.ConfigDict(server))

@@ -67,6 +67,10 @@ def test_every_line_reports_its_runs(record):
   lines = record["lines"]
   assert list(lines) == ["default", "wait:1"]
   assert lines["default"]["settings"] == {}
+  # The shipped tiny server holds its serving line; a wait line takes its place.
+  assert lines["default"]["server_admission"].endswith(
+      "forecast TTFT line 0.05 s (server.ttft_line_s)")
+  assert "max_forecast_ttft_s" in lines["wait:1"]["server_admission"]
   assert lines["wait:1"]["settings"] == {
       "max_forecast_ttft_s": round(record["measured"]["slo_ttft_s"], 4)}
   for line in lines.values():
@@ -145,7 +149,7 @@ def test_judge_holds_only_in_every_seed_and_recommends_a_quiet_line():
     ("slowdown:4", {"max_ttft_slowdown": 4.0}),
     ("none", {"admission": "queue_only", "max_waiting": 0, "rate_limit": 0.0,
               "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_ttft_s": 0.0,
-              "max_ttft_slowdown": 0.0})])
+              "max_ttft_slowdown": 0.0, "server.ttft_line_s": 0.0})])
 def test_lines_parse_into_scheduler_settings(line, settings):
   assert overload_rules.line_settings(line, slo_ttft_s=0.1, batch_tokens=100) == settings
 

@@ -28,7 +28,8 @@ set them against the KV line (`experiments/line_study.py`):
   * **429** `concurrency_limit`: `max_concurrent` requests are admitted and unfinished
     (TGI's `max_concurrent_requests`).
   * **429** `wait_forecast`: the forecast time to first token (from the request's
-    arrival at the server) exceeds `max_forecast_ttft_s`, or `max_ttft_slowdown` times
+    arrival at the server) exceeds `max_forecast_ttft_s` (for a prompt too long for that
+    line even on an idle engine: twice its idle time), or `max_ttft_slowdown` times
     the request's time to first token on an idle engine (checked by the scheduler once
     the request is in line, `Scheduler.add_request`): for requests that name no
     deadline of their own.

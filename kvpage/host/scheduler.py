@@ -74,6 +74,10 @@ from kvpage.request import Request, RequestStatus
 __all__ = ["Admission", "Preemption", "ScheduledSequence", "Scheduler", "SchedulerOutput"]
 
 _RUNNING = RequestStatus.RUNNING
+# A request whose prompt alone, on an idle engine, takes more than 1/IDLE_ALLOWANCE of
+# `max_forecast_ttft_s` to its first token is held to IDLE_ALLOWANCE x that time instead
+# (a slowdown line for long prompts only), so a fixed line never refuses it for good.
+IDLE_ALLOWANCE = 2.0
 
 
 class Scheduler:
@@ -167,7 +171,9 @@ class Scheduler:
     its first step longer than its `max_queue_wait_s` (from its arrival), or, when it
     names none, has its first token come later than the forecast-TTFT lines allow:
     `max_forecast_ttft_s`, and `max_ttft_slowdown` times its time to first token on an
-    idle engine."""
+    idle engine. A prompt that alone would take more than half of `max_forecast_ttft_s`
+    is held to `IDLE_ALLOWANCE` x its idle time instead: a line in seconds must not
+    refuse, on every try, a long prompt the server can serve."""
     wait, queues = self.admission.wait, self._queues()
     waited = now - cast(float, request.arrival_time)
     own = request.max_queue_wait_s is not None
@@ -180,13 +186,17 @@ class Scheduler:
       what = (f"forecast wait {forecast_s:.2f} s exceeds the request's max_queue_wait_s "
               f"{limit:g} s")
     else:
-      forecast_s = waited + first_token
+      forecast_s, idle = waited + first_token, wait.idle_first_token_s(request)
       limits = []
-      if self.config.max_forecast_ttft_s:
-        limits.append((self.config.max_forecast_ttft_s,
-                       f"the server's max_forecast_ttft_s {self.config.max_forecast_ttft_s:g} s"))
+      line = self.config.max_forecast_ttft_s
+      if line and IDLE_ALLOWANCE * idle > line:
+        limits.append((IDLE_ALLOWANCE * idle,
+                       f"{IDLE_ALLOWANCE:g} x this request's {1e3 * idle:.1f} ms on an idle "
+                       f"engine (its own prompt is too long for the server's "
+                       f"max_forecast_ttft_s {line:g} s)"))
+      elif line:
+        limits.append((line, f"the server's max_forecast_ttft_s {line:g} s"))
       if self.config.max_ttft_slowdown:
-        idle = wait.idle_first_token_s(request)
         limits.append((self.config.max_ttft_slowdown * idle,
                        f"max_ttft_slowdown {self.config.max_ttft_slowdown:g} x this "
                        f"request's {1e3 * idle:.1f} ms on an idle engine"))
