@@ -16,7 +16,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.scheduler.max_num_seqs = 64
   # The server's forecast-TTFT line (the line study's answer at 5x overload: a wait line
   # in seconds of the TTFT SLO). benchmarks/overload_http.py on a 2-vCPU host (128-token
-  # prompts, 64-token outputs): TTFT SLOs of 82-299 ms by its rule, and at 5x this line
-  # served 43% of requests with a TTFT p95 of 62 ms. Offline runs never hold it.
+  # prompts, 64-token outputs, server on one core): TTFT SLO 82 ms by its rule; at 5x
+  # (56 req/s, 3 seeds) this line served 48% (46-50%) of requests with a TTFT p95 of
+  # 64 ms (61-67); at ~105 req/s, 43% with 62 ms. Offline runs never hold it.
   config.server.ttft_line_s = 0.05
   return config
