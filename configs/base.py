@@ -90,9 +90,9 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # `ttft_line_s`: the forecast-TTFT line the server holds when the scheduler section
   # holds none of its own (`max_forecast_ttft_s` and `max_ttft_slowdown` both 0): a
   # request whose forecast first token comes later than this is refused (429
-  # wait_forecast, with a retry hint). The line study's answer at 5x overload is this
-  # line, in seconds of the deployment's TTFT SLO, so a model config sets it from its
-  # own measurements; None or 0 = none (offline runs, serve_bench, never hold it).
+  # wait_forecast, with a retry hint). It is in seconds of the deployment's TTFT SLO,
+  # so a model config sets it from its own measurements (benchmarks/overload_http.py);
+  # None or 0 = none (offline runs, serve_bench, never hold it).
   config.server = ml_collections.ConfigDict(dict(
       host="127.0.0.1", port=8000, served_model_name="",
       max_queue_wait_s=placeholder(float), drain_timeout_s=30.0,

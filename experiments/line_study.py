@@ -14,7 +14,9 @@ under each admission line an operator could hold, each swept over its own knob:
   * `queue`: the waiting-queue bound alone (vLLM's `--max-num-queued-reqs`);
   * `tokens`: prompt + expected output tokens in flight;
   * `kv`: kvpage's KV watermark (free pages kept after the request's estimate);
-  * `wait`: the forecast time to first token, against the TTFT SLO;
+  * `wait`: the forecast time to first token, against the TTFT SLO (a prompt too long
+    to meet the line even on an idle engine is held to twice its idle time instead,
+    `kvpage.host.scheduler.IDLE_ALLOWANCE`: refusing it on every try is no line);
   * `slowdown`: the forecast time to first token, against S x the request's own on an
     idle engine (a relative line: no SLO, no seconds to tune per deployment);
   * `kv+wait`: both, since memory and compute saturate at different loads.
