@@ -111,10 +111,11 @@ def _positive_int(where: str, value: object, low: int = 1) -> None:
     raise ValueError(f"{where} must be an integer in [{low}, {_MAX_DIM:,}], got {value!r}")
 
 
-def _positive_number(where: str, value: object) -> None:
+def _positive_number(where: str, value: object, zero_is_off: bool = False) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-      0 < value < float("inf")):
-    raise ValueError(f"{where} must be a finite number > 0, got {value!r}")
+      (value >= 0 if zero_is_off else value > 0) and value < float("inf")):
+    bound = ">= 0 (0: off)" if zero_is_off else "> 0"
+    raise ValueError(f"{where} must be a finite number {bound}, got {value!r}")
 
 
 def check_model(model, where: str = "model") -> None:
@@ -188,11 +189,8 @@ def check_server(server) -> None:
     value = server.get(name)
     if value is not None or name != "max_queue_wait_s":
       _positive_number(f"server.{name}", value)
-  line = server.get("ttft_line_s")
-  if line is not None and (isinstance(line, bool) or not isinstance(line, (int, float))
-                           or not 0 <= line < float("inf")):
-    raise ValueError(f"server.ttft_line_s must be a number of seconds >= 0 (0 or None: no "
-                     f"line), got {line!r}")
+  if server.get("ttft_line_s") is not None:  # None or 0: no serving line
+    _positive_number("server.ttft_line_s", server.ttft_line_s, zero_is_off=True)
   if server.get("kv_pressure_status") not in (429, 503):
     raise ValueError(f"server.kv_pressure_status must be 503 or 429, got "
                      f"{server.get('kv_pressure_status')!r}")

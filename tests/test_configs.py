@@ -93,5 +93,6 @@ def test_the_server_holds_its_serving_line_unless_the_scheduler_holds_one():
 @pytest.mark.parametrize("value", [-0.1, float("inf"), "0.1", True])
 def test_a_serving_line_that_is_not_seconds_is_refused(value):
   server = {**tiny.get_config().server.to_dict(), "ttft_line_s": value}  # as a file may
-  with pytest.raises(ValueError, match=r"server\.ttft_line_s must be a number of seconds"):
+  with pytest.raises(ValueError,
+                     match=r"server\.ttft_line_s must be a finite number >= 0 \(0: off\)"):
     base.check_server(ml_collections.ConfigDict(server))
