@@ -93,10 +93,25 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # wait_forecast, with a retry hint). It is in seconds of the deployment's TTFT SLO,
   # so a model config sets it from its own measurements (benchmarks/overload_http.py);
   # None or 0 = none (offline runs, serve_bench, never hold it).
+  #
+  # Exposed to a network (docs/serving.md, "Hostile clients"): `max_connections` open
+  # connections at most (0: from the process's file-descriptor limit); at the cap, a new
+  # connection closes the longest-idle one (no request in progress), else it is refused.
+  # A request's headers must arrive within `header_timeout_s` (also the first request's,
+  # from the connection's opening), at most `max_headers` of `max_header_bytes` in all;
+  # its body within `body_timeout_s`; an idle keep-alive connection closes after
+  # `keep_alive_s`. `allowed_hosts`: comma-separated names the Host header may carry
+  # ("*": any; "": the loopback names when bound to a loopback address, else any).
+  # `allowed_origins`: comma-separated origins CORS answers ("": none, "*": all).
+  # `open_probes`: /health and /metrics need no API key (the keys: --api_key or
+  # KVPAGE_API_KEY, never a config, which runs record).
   config.server = ml_collections.ConfigDict(dict(
       host="127.0.0.1", port=8000, served_model_name="",
       max_queue_wait_s=placeholder(float), drain_timeout_s=30.0,
-      status_interval_s=1.0, kv_pressure_status=503, ttft_line_s=placeholder(float)))
+      status_interval_s=1.0, kv_pressure_status=503, ttft_line_s=placeholder(float),
+      max_connections=0, header_timeout_s=10.0, body_timeout_s=30.0, keep_alive_s=5.0,
+      max_headers=100, max_header_bytes=65536, allowed_hosts="", allowed_origins="",
+      open_probes=True))
   return config
 
 
@@ -185,10 +200,21 @@ def check_server(server) -> None:
   port = server.get("port")
   if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
     raise ValueError(f"server.port must be in [0, 65535] (0: any free port), got {port!r}")
-  for name in ("drain_timeout_s", "status_interval_s", "max_queue_wait_s"):
+  for name in ("drain_timeout_s", "status_interval_s", "max_queue_wait_s",
+               "header_timeout_s", "body_timeout_s", "keep_alive_s"):
     value = server.get(name)
-    if value is not None or name != "max_queue_wait_s":
-      _positive_number(f"server.{name}", value)
+    if value is not None or name != "max_queue_wait_s":  # a drain of 0 s aborts at once
+      _positive_number(f"server.{name}", value, zero_is_off=name == "drain_timeout_s")
+  _positive_int("server.max_connections", server.get("max_connections"), 0)
+  _positive_int("server.max_headers", server.get("max_headers"))
+  _positive_int("server.max_header_bytes", server.get("max_header_bytes"), 1024)
+  for name in ("allowed_hosts", "allowed_origins"):
+    if not isinstance(server.get(name), str):
+      raise ValueError(f"server.{name} must be a comma-separated string, got "
+                       f"{server.get(name)!r}")
+  if not isinstance(server.get("open_probes"), bool):
+    raise ValueError(f"server.open_probes must be true or false, got "
+                     f"{server.get('open_probes')!r}")
   if server.get("ttft_line_s") is not None:  # None or 0: no serving line
     _positive_number("server.ttft_line_s", server.ttft_line_s, zero_is_off=True)
   if server.get("kv_pressure_status") not in (429, 503):

@@ -16,6 +16,7 @@ process exits 0; a second Ctrl-C exits at once.
 docs/multi_device.md) serves HTTP from process 0 while every process steps.
 """
 
+import os
 from typing import Any
 
 from absl import flags
@@ -54,11 +55,27 @@ _SERVER_FLAGS = {
         "ttft_line_s", None, "Refuse (429) a request whose forecast first token comes "
         "later than this many seconds, unless the scheduler section holds a forecast-TTFT "
         "line of its own; 0 = none (server.ttft_line_s; configs/tiny.py: 0.05)."),
+    "max_connections": flags.DEFINE_integer(
+        "max_connections", None, "Open connections at most; at the cap a new one closes "
+        "the longest-idle one (server.max_connections; 0: from the file-descriptor limit)."),
+    "allowed_hosts": flags.DEFINE_string(
+        "allowed_hosts", None, "Comma-separated names the Host header may carry; '*': any "
+        "(server.allowed_hosts; default: loopback names when bound to loopback)."),
+    "allowed_origins": flags.DEFINE_string(
+        "allowed_origins", None, "Comma-separated origins CORS answers; '*': all "
+        "(server.allowed_origins; default: none)."),
+    "open_probes": flags.DEFINE_bool(
+        "open_probes", None, "/health and /metrics need no API key (server.open_probes; "
+        "default: true)."),
     "kv_pressure_status": flags.DEFINE_enum(
         "kv_pressure_status", None, ["503", "429"],
         "HTTP status for cache pressure, 429 for proxies that eject upstreams answering "
         "5xx (server.kv_pressure_status)."),
 }
+_API_KEY = flags.DEFINE_list(
+    "api_key", None, "API keys (comma-separated; also the KVPAGE_API_KEY environment "
+    "variable): /v1/* then needs 'Authorization: Bearer KEY'. Never in a config: runs "
+    "record their configs.")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", None, "Shortcut for --config.cache.num_pages: "
                                   "KV pages incl. the null page; 0 = what "
                                   "cache.kv_memory_gib holds, else (kv_memory_gib=0) the "
@@ -76,10 +93,21 @@ _COMPILATION_CACHE = flags.DEFINE_string(
 _SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
 
 
+def api_keys() -> tuple[str, ...]:
+  """The keys of --api_key and KVPAGE_API_KEY, both comma-separated."""
+  given = [*(_API_KEY.value or ()), *os.environ.get("KVPAGE_API_KEY", "").split(",")]
+  keys = tuple(dict.fromkeys(key.strip() for key in given if key.strip()))
+  for key in keys:
+    if not key.isascii() or not key.isprintable() or " " in key:
+      raise ValueError("an API key must be printable ASCII without spaces")
+  return keys
+
+
 def check_flags() -> None:
   if _NUM_PAGES.value is not None and (_NUM_PAGES.value < 0 or _NUM_PAGES.value == 1):
     raise ValueError(f"--num_pages must be 0 (sized from memory) or >= 2, got "
                      f"{_NUM_PAGES.value}")
+  api_keys()
 
 
 def main(argv: list[str]) -> None:
@@ -143,13 +171,20 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...]) 
   server = setup.config.server
   name = (_CHECKPOINT.value.rstrip("/").split("/")[-1] if _CHECKPOINT.value
           else setup.config.model.name)
+  keys = api_keys()
   server_config = app_lib.ServerConfig.from_config(
       server, model_name=name, max_model_len=engine.scheduler.max_model_len,
-      eos_token_ids=eos_ids, backends=setup.backends)
+      eos_token_ids=eos_ids, backends=setup.backends, api_keys=keys)
   if setup.backends:
     print(f"kvpage serve: kernels: {cli.backends_line(setup.backends)}", flush=True)
   gateway = app_lib.Gateway(engine, server_config, tokenizer)
-  server_lib.serve(gateway, host=server.host, port=server.port,
+  limits = server_lib.ConnectionLimits.from_config(server)
+  print(f"kvpage serve: at most {limits.max_connections:,} connections; "
+        f"{len(keys)} API key{'s' if len(keys) != 1 else ''}"
+        f"{' on /v1/*' if server_config.open_probes else ' on every path'}; hosts "
+        f"{', '.join(server_config.allowed_hosts)}; CORS origins "
+        f"{', '.join(server_config.allowed_origins) or 'none'}", flush=True)
+  server_lib.serve(gateway, host=server.host, port=server.port, limits=limits,
                    banner=f"{setup.num_pages:,} KV pages"
                    + (f" ({setup.memory_plan.reason()})" if setup.memory_plan
                       else f" ({setup.pool_reason})" if setup.pool_reason else ""))

@@ -10,6 +10,7 @@ by the caller is kept.
 """
 
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -31,3 +32,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
   del config
   for directory in _CREATED:
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+  """The run's compilation cache, for server processes' `--compilation_cache`."""
+  shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  return pathlib.Path(shared) if shared else tmp_path_factory.mktemp("jax_cache")

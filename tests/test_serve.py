@@ -9,7 +9,6 @@ bodies; stop strings. A second process, random weights, is drained with SIGTERM.
 
 import asyncio
 import json
-import os
 import pathlib
 import re
 import signal
@@ -33,12 +32,6 @@ NUM_STREAMS = 64
 SERVER_FLAGS = ("--num_pages=48", "--max_num_seqs=8", "--max_num_batched_tokens=128",
                 "--chunk_size=64", "--max_waiting=24", "--status_interval_s=0.2",
                 "--warmup_sampling=false", "--drain_timeout_s=5")
-
-
-@pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> pathlib.Path:
-  shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")  # the run's (tests/conftest.py)
-  return pathlib.Path(shared) if shared else tmp_path_factory.mktemp("jax_cache")
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +138,8 @@ def test_stop_strings_end_the_text_before_them(server):
 
 def _post(server, body, **headers) -> httpx.Response:
   return httpx.post(f"{server.url}/v1/completions", content=body if isinstance(body, bytes)
-                    else json.dumps(body), headers=headers, timeout=30)
+                    else json.dumps(body),
+                    headers={"Content-Type": "application/json", **headers}, timeout=30)
 
 
 @pytest.mark.parametrize(("body", "status", "code"), [
@@ -186,7 +180,7 @@ def _read_response(connection: socket.socket) -> tuple[str, str]:
 def test_an_oversized_body_is_refused_before_it_is_read(server):
   host, port = server.url.removeprefix("http://").split(":")
   with socket.create_connection((host, int(port)), timeout=30) as connection:
-    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+    connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                        b"Content-Type: application/json\r\nContent-Length: 999999999\r\n\r\n{")
     head, body = _read_response(connection)
   assert head.startswith("HTTP/1.1 413") and "body_too_large" in body

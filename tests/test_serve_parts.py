@@ -212,6 +212,9 @@ def test_a_deadline_that_passes_in_the_queue_ends_the_request_and_frees_its_plac
   assert scheduler.admission.num_backlog_pages == 0
   assert math.isclose(scheduler.page_pool.num_used_pages,
                       len(scheduler.requests["long"].page_ids))
+  # Its 429 carries a hint (`Scheduler.deadline_retry_after`): still unpriced, the default.
+  hint = scheduler.deadline_retry_after(late)
+  assert hint == scheduler.admission.wait.default_s > 0
 
 
 def test_a_scheduled_request_outlives_its_deadline():

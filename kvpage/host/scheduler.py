@@ -209,6 +209,16 @@ class Scheduler:
                                                queues),
                      request.request_id, "wait_deadline" if own else "wait_forecast")
 
+  def deadline_retry_after(self, request: Request) -> float:
+    """The retry hint for `request`, which ended because its `max_queue_wait_s` passed
+    while it waited: when a retry of it, queued last now, is forecast to be scheduled
+    within the same deadline (the hint of a refusal at the door, `_check_deadline`)."""
+    now, queues, wait = self.clock(), self._queues(), self.admission.wait
+    estimate = self.admission.estimate_pages(request)
+    first_step, _ = wait.newcomer_eta(request, estimate, now, queues)
+    over = max(0.0, first_step - cast(float, request.max_queue_wait_s))
+    return wait.retry_after_deadline(request, estimate, over, now, queues)
+
   @staticmethod
   def _duplicate(request: Request) -> Admission:
     return Admission(400, f"duplicate request_id {request.request_id!r}: a live request "

@@ -31,22 +31,37 @@ while it waits ends with an error event (or a 429, not streamed), its pages free
 
 **Disconnects.** A client that goes away aborts its request; its pages are free
 before the next step.
+
+**Hostile input.** Nothing a client sends blocks the event loop or answers 5xx:
+bodies must be JSON (`Content-Type`, else 415) within a cap sized from the model's
+context (413) read within `body_timeout_s` (408); nesting past the parser's depth, a
+number too long to read, a lone surrogate are 400s. Text is tokenized (and chat
+templates rendered) on a small thread pool, after a pre-check that refuses, with no
+tokenizer run, a prompt longer in characters than the context can hold in tokens.
+With API keys set, `/v1/*` (and, with `open_probes` off, every path) needs
+`Authorization: Bearer KEY` (401 otherwise); the `Host` header must name an allowed
+host, and CORS answers only the allowed origins (`Door`, `make_app`). Connection
+limits live in `kvpage.serve.server`.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import hmac
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import fastapi
 import prometheus_client
 from fastapi import responses
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 
 from kvpage.host.engine import Engine
 from kvpage.interface import SERVICE_UNAVAILABLE, Admission
@@ -66,7 +81,15 @@ from kvpage.serve.protocol import ApiError, GenerationRequest
 MAX_RETRY_AFTER_S = 120.0  # the official openai client waits at most this long
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
 MAX_REQUEST_ID = 128
-MAX_BODY_BYTES = 32 * 2**20  # a million-token prompt as JSON ids fits several times
+MAX_BODY_BYTES = 32 * 2**20  # the cap on any body, whatever the context
+# A body's own cap: room for the fields, plus this many bytes per character (or token
+# id) of the longest prompt the context can hold: JSON writes a character past the
+# Basic Multilingual Plane as two `\\uXXXX` escapes, and an id as up to 10 digits and ", ".
+BODY_BYTES_PER_CHAR = 12
+BODY_SLACK_BYTES = 2**20
+TOKENIZER_THREADS = 2  # text is tokenized here, off the event loop
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+LOOPBACK_ADDRESSES = ("127.0.0.1", "::1", "localhost")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -83,33 +106,65 @@ class ServerConfig:
   eos_token_ids: tuple[int, ...] = ()
   # What computes the model's ops (`kvpage.device.backends.describe`), for /v1/models.
   backends: dict[str, Any] | None = None
+  body_timeout_s: float = 30.0  # to read a request's body, from its headers' end
+  # Who may come in (`Door`): any of these bearer keys (none: no key needed), also on
+  # /health and /metrics unless `open_probes`; these Host header names ("*": any); and
+  # CORS for these origins (none: no CORS headers, so browsers keep pages out).
+  api_keys: tuple[str, ...] = ()
+  open_probes: bool = True
+  allowed_hosts: tuple[str, ...] = ("*",)
+  allowed_origins: tuple[str, ...] = ()
 
   @classmethod
   def from_config(cls, server: Any, *, model_name: str, max_model_len: int,
                   eos_token_ids: tuple[int, ...] = (),
-                  backends: dict[str, Any] | None = None) -> "ServerConfig":
+                  backends: dict[str, Any] | None = None,
+                  api_keys: tuple[str, ...] = ()) -> "ServerConfig":
     """The gateway's answers as a config's `server` section sets them (`configs.base`),
     with what the served model says: its name, its longest sequence, its stop tokens
-    and its backends."""
+    and its backends; and the API keys (kept out of configs, which runs record)."""
+    hosts = _names(server.allowed_hosts)
+    if not hosts:  # bound to loopback: only loopback names (no DNS rebinding)
+      hosts = LOOPBACK_NAMES if server.host in LOOPBACK_ADDRESSES else ("*",)
     return cls(model_name=server.get("served_model_name") or model_name,
                max_model_len=max_model_len,
                status_interval_s=server.status_interval_s,
                max_queue_wait_s=server.get("max_queue_wait_s"),
                kv_pressure_status=int(server.kv_pressure_status),
                drain_timeout_s=server.drain_timeout_s, eos_token_ids=eos_token_ids,
-               backends=backends)
+               backends=backends, body_timeout_s=server.body_timeout_s,
+               api_keys=tuple(api_keys), open_probes=server.open_probes,
+               allowed_hosts=hosts, allowed_origins=_names(server.allowed_origins))
 
 
-def push_back_headers(retry_after_s: float | None, reason: str) -> dict[str, str]:
-  """The headers of a 429/503: the hint in two units, capped, and which line said no."""
+def _names(listed: str) -> tuple[str, ...]:
+  """A comma-separated list of a config's field."""
+  return tuple(name.strip() for name in listed.split(",") if name.strip())
+
+
+def push_back_headers(retry_after_s: float | None, reason: str, *,
+                      retry: bool = True) -> dict[str, str]:
+  """The headers of a 429/503: the hint in two units that agree (`Retry-After` is the
+  ceiling of `retry-after-ms` in whole seconds), capped, whether to retry here at all
+  (not past the cap, nor when `retry` is False), and which line said no."""
   headers = {"x-kvpage-reject-reason": reason}
   if retry_after_s is None:
     return headers
   capped = min(max(retry_after_s, 0.0), MAX_RETRY_AFTER_S)
-  headers["retry-after-ms"] = str(max(1, round(capped * 1000)))
-  headers["Retry-After"] = str(max(1, math.ceil(capped)))
-  headers["x-should-retry"] = "false" if retry_after_s > MAX_RETRY_AFTER_S else "true"
+  milliseconds = max(1, math.ceil(capped * 1000))
+  headers["retry-after-ms"] = str(milliseconds)
+  headers["Retry-After"] = str(math.ceil(milliseconds / 1000))
+  headers["x-should-retry"] = ("true" if retry and retry_after_s <= MAX_RETRY_AFTER_S
+                               else "false")
   return headers
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+  """The most characters one token of `tokenizer` can stand for: its longest token
+  string (a byte-level token's string has one character per byte, at least one per
+  character it decodes to), so a text longer than `n` times this cannot be `n` tokens."""
+  tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+  return max([len(token) for token in tokens if token] + [1])
 
 
 class Gateway:
@@ -124,6 +179,13 @@ class Gateway:
     self.created = int(time.time())
     self.draining = False
     self._drain_ends = 0.0
+    # The pre-check: the most characters a prompt that fits the context can have (for
+    # token ids, the most ids), and the body that can carry it.
+    self.chars_per_token = longest_token_chars(tokenizer) if tokenizer is not None else 1
+    self.max_prompt_chars = config.max_model_len * self.chars_per_token
+    self.body_limit = min(MAX_BODY_BYTES,
+                          BODY_SLACK_BYTES + BODY_BYTES_PER_CHAR * self.max_prompt_chars)
+    self._tokenize_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
   # Lifecycle.
   def start(self) -> None:
@@ -131,10 +193,15 @@ class Gateway:
     self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), metrics=self.metrics,
                            tokenizer=self.tokenizer)
     self.loop.start()
+    if self.tokenizer is not None:
+      self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
+          TOKENIZER_THREADS, thread_name_prefix="kvpage-tokenize")
 
   def stop(self) -> None:
     if self.loop is not None:
       self.loop.stop()
+    if self._tokenize_pool is not None:
+      self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
   async def drain(self) -> int:
     """Stops admitting; lets live requests finish for up to `drain_timeout_s`, then
@@ -153,15 +220,15 @@ class Gateway:
     # progress) and the tokenizing count toward the request's wait and its TTFT.
     arrived = self.engine.clock()
     self._check_model(gen.model)
-    if self.draining:
+    if self.draining:  # going away: a retry here would find it gone (x-should-retry: false)
       remaining = max(self._drain_ends - time.monotonic(), 1.0)
       raise ApiError(SERVICE_UNAVAILABLE, "the server is draining: it admits no new requests",
                      "service_unavailable_error", "draining",
-                     headers=push_back_headers(remaining, "draining"))
+                     headers=push_back_headers(remaining, "draining", retry=False))
     if self.loop is None or not self.loop.alive:
       raise ApiError(500, f"the engine stopped: {self.loop and self.loop.failure}",
                      "server_error", "engine_dead")
-    prompt_ids = self._prompt_ids(gen)
+    prompt_ids = await self._prompt_ids(gen)
     max_tokens = gen.max_tokens or (
         max(1, self.config.max_model_len - len(prompt_ids)) if gen.chat
         else DEFAULT_COMPLETION_TOKENS)
@@ -190,7 +257,8 @@ class Gateway:
                      f"{self.config.model_name!r}", "not_found_error", "model_not_found",
                      "model")
 
-  def _prompt_ids(self, gen: GenerationRequest) -> list[int]:
+  async def _prompt_ids(self, gen: GenerationRequest) -> list[int]:
+    """The prompt's token ids; text is tokenized on the tokenizer's threads."""
     if gen.prompt_ids is not None:
       return gen.prompt_ids
     if self.tokenizer is None:
@@ -198,6 +266,30 @@ class Gateway:
       raise ApiError(400, f"this server has no tokenizer (random weights from a config), so "
                      f"it cannot read {what}; send 'prompt' as a list of token ids",
                      code="no_tokenizer", param="messages" if gen.chat else "prompt")
+    self._check_text_fits(gen)
+    assert self._tokenize_pool is not None
+    return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                            self._tokenize, gen)
+
+  def _check_text_fits(self, gen: GenerationRequest) -> None:
+    """Refuses, before any tokenizer runs, text that cannot fit the context: more
+    characters than `max_prompt_chars`, or more chat messages than tokens."""
+    limit = self.config.max_model_len
+    param = "messages" if gen.chat else "prompt"
+    if gen.chat and len(gen.messages or ()) > limit:
+      raise ApiError(400, f"{len(gen.messages or ()):,} messages cannot fit the model's "
+                     f"context of {limit:,} tokens", code="context_length_exceeded",
+                     param=param)
+    chars = (sum(len(m["content"]) for m in gen.messages or ()) if gen.chat
+             else len(gen.prompt_text or ""))
+    if chars > self.max_prompt_chars:
+      raise ApiError(400, f"the prompt's {chars:,} characters cannot fit the model's context "
+                     f"of {limit:,} tokens (a token of this tokenizer holds at most "
+                     f"{self.chars_per_token} characters)", code="context_length_exceeded",
+                     param=param)
+
+  def _tokenize(self, gen: GenerationRequest) -> list[int]:
+    """The prompt's token ids (on a tokenizer thread)."""
     if gen.chat:
       try:
         text = self.tokenizer.apply_chat_template(gen.messages, add_generation_prompt=True,
@@ -278,7 +370,7 @@ class Gateway:
     if last.finish_reason == "deadline":
       return ApiError(429, "the request's max_queue_wait_s passed before it was scheduled",
                       "rate_limit_error", "wait_deadline",
-                      headers=push_back_headers(None, "wait_deadline"))
+                      headers=push_back_headers(last.retry_after, "wait_deadline"))
     return ApiError(500, f"the engine stopped: {self.loop and self.loop.failure}",
                     "server_error", "engine_dead")
 
@@ -378,22 +470,105 @@ async def _disconnected(http: fastapi.Request) -> None:
     pass
 
 
-async def _json_body(http: fastapi.Request) -> Any:
+class ClientGoneError(Exception):
+  """The client went away before its request's body arrived: nobody to answer."""
+
+
+def _is_json(content_type: str) -> bool:
+  media_type = content_type.split(";")[0].strip().lower()
+  return media_type == "application/json" or (media_type.startswith("application/")
+                                               and media_type.endswith("+json"))
+
+
+async def _json_body(http: fastapi.Request, limit: int, timeout_s: float) -> Any:
+  """The request's JSON body: declared as JSON (415), at most `limit` bytes (413), read
+  within `timeout_s` (408, and the connection closes), and valid (400)."""
+  content_type = http.headers.get("content-type", "")
+  if not _is_json(content_type):
+    # Also what keeps a web page out: a browser posts text/plain cross-origin unasked.
+    raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), "
+                   f"got {content_type or 'no Content-Type'!r}", code="unsupported_media_type")
   declared = http.headers.get("content-length", "0")
-  if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-    raise ApiError(413, f"the request body ({int(declared):,} bytes) exceeds "
-                   f"{MAX_BODY_BYTES:,} bytes", code="body_too_large")
+  if declared.isdigit() and int(declared) > limit:
+    raise ApiError(413, f"the request body ({int(declared):,} bytes) exceeds {limit:,} bytes, "
+                   "the most a prompt that fits the model's context needs",
+                   code="body_too_large")
   raw = bytearray()
-  async for part in http.stream():  # bounded even when no length was declared
-    raw += part
-    if len(raw) > MAX_BODY_BYTES:
-      raise ApiError(413, f"the request body exceeds {MAX_BODY_BYTES:,} bytes",
-                     code="body_too_large")
+  try:
+    async with asyncio.timeout(timeout_s):
+      async for part in http.stream():  # bounded even when no length was declared
+        raw += part
+        if len(raw) > limit:
+          raise ApiError(413, f"the request body exceeds {limit:,} bytes, the most a prompt "
+                         "that fits the model's context needs", code="body_too_large")
+  except TimeoutError:
+    raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s",
+                   code="body_timeout", headers={"Connection": "close"}) from None
+  except ClientDisconnect:
+    raise ClientGoneError() from None
   try:
     return json.loads(bytes(raw))
   except (json.JSONDecodeError, UnicodeDecodeError) as error:
     raise ApiError(400, f"the request body is not valid JSON: {error}",
                    code="invalid_json") from None
+  except RecursionError:
+    raise ApiError(400, "the request body nests JSON arrays or objects too deeply",
+                   code="invalid_json") from None
+  except ValueError:  # an integer of more digits than Python converts (4,300)
+    raise ApiError(400, "the request body holds a number of too many digits to read",
+                   code="invalid_json") from None
+
+
+class Door:
+  """ASGI middleware: who may come in. The `Host` header must name an allowed host
+  (400 otherwise: a DNS-rebinding page names its own), and with API keys set, a
+  guarded path needs `Authorization: Bearer KEY` (401, in OpenAI's error shape)."""
+
+  def __init__(self, app: Callable[..., Awaitable[None]], config: ServerConfig):
+    self.app = app
+    self.keys = [key.encode() for key in config.api_keys]
+    self.open_probes = config.open_probes
+    self.hosts = None if "*" in config.allowed_hosts else {
+        host.lower().strip("[]") for host in config.allowed_hosts}
+
+  async def __call__(self, scope: dict, receive: Callable[..., Awaitable[Any]],
+                     send: Callable[..., Awaitable[None]]) -> None:
+    if scope["type"] != "http":
+      return await self.app(scope, receive, send)
+    headers = dict(scope["headers"])
+    if self.hosts is not None and _host_name(headers.get(b"host", b"")) not in self.hosts:
+      error = ApiError(400, "the Host header names a host this server does not serve "
+                       "(server.allowed_hosts)", code="invalid_host")
+      return await _send_error(send, error)
+    guarded = scope["path"].startswith("/v1/") or not self.open_probes
+    if self.keys and guarded and scope["method"] != "OPTIONS" and not self._authorized(
+        headers.get(b"authorization", b"")):
+      error = ApiError(401, "a valid API key is needed: send 'Authorization: Bearer KEY'",
+                       code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+      return await _send_error(send, error)
+    return await self.app(scope, receive, send)
+
+  def _authorized(self, header: bytes) -> bool:
+    scheme, _, token = header.partition(b" ")
+    token = token.strip()
+    # Every key compared, each in constant time: no early exit says how much matched.
+    matches = [hmac.compare_digest(token, key) for key in self.keys]
+    return scheme.lower() == b"bearer" and any(matches)
+
+
+def _host_name(host: bytes) -> str:
+  """The name in a Host header, without its port: `[::1]:8000` -> `::1`."""
+  text = host.decode("latin-1").lower()
+  if text.startswith("["):
+    return text[1:text.find("]")] if "]" in text else text
+  return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
+async def _send_error(send: Callable[..., Awaitable[None]], error: ApiError) -> None:
+  response = responses.JSONResponse(error.body(), error.status, headers=error.headers)
+  await send({"type": "http.response.start", "status": response.status_code,
+              "headers": response.raw_headers})
+  await send({"type": "http.response.body", "body": response.body})
 
 
 def make_app(gateway: Gateway) -> fastapi.FastAPI:
@@ -410,12 +585,25 @@ def make_app(gateway: Gateway) -> fastapi.FastAPI:
 
   app = fastapi.FastAPI(title="kvpage", lifespan=lifespan, docs_url=None, redoc_url=None,
                         openapi_url=None)
+  if gateway.config.allowed_origins:
+    app.add_middleware(
+        CORSMiddleware, allow_origins=list(gateway.config.allowed_origins),
+        allow_methods=["GET", "POST"], allow_headers=[
+            "Authorization", "Content-Type", "x-request-id", "x-kvpage-max-wait-s"],
+        expose_headers=["Retry-After", "retry-after-ms", "x-should-retry",
+                        "x-kvpage-reject-reason", "x-request-id"], max_age=600)
+  app.add_middleware(Door, config=gateway.config)  # outermost: checked first
 
   @app.exception_handler(ApiError)
   async def api_error(request: fastapi.Request, error: ApiError) -> responses.JSONResponse:
     del request
     gateway.metrics.rejected(error.status)
     return responses.JSONResponse(error.body(), error.status, headers=error.headers)
+
+  @app.exception_handler(ClientGoneError)
+  async def client_gone(request: fastapi.Request, error: ClientGoneError) -> responses.Response:
+    del request, error
+    return responses.Response(status_code=499)  # nobody is listening any more
 
   @app.exception_handler(StarletteHTTPException)
   async def http_error(request: fastapi.Request,
@@ -434,11 +622,13 @@ def make_app(gateway: Gateway) -> fastapi.FastAPI:
 
   @app.post("/v1/completions")
   async def completions(http: fastapi.Request) -> responses.Response:
-    return await gateway.generate(protocol.parse_completion(await _json_body(http)), http)
+    body = await _json_body(http, gateway.body_limit, gateway.config.body_timeout_s)
+    return await gateway.generate(protocol.parse_completion(body), http)
 
   @app.post("/v1/chat/completions")
   async def chat_completions(http: fastapi.Request) -> responses.Response:
-    return await gateway.generate(protocol.parse_chat(await _json_body(http)), http)
+    body = await _json_body(http, gateway.body_limit, gateway.config.body_timeout_s)
+    return await gateway.generate(protocol.parse_chat(body), http)
 
   @app.get("/v1/models")
   async def models() -> dict[str, Any]:

@@ -66,6 +66,7 @@ class Delta:
   finish_reason: str | None = None
   preempted: bool = False
   num_output_tokens: int = 0
+  retry_after: float | None = None  # "deadline": when a retry would meet the deadline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +208,8 @@ class EngineLoop:
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def command() -> None:
+      if not future.set_running_or_notify_cancel():
+        return  # its handler gave up (the client went away): a submit is not admitted
       try:
         future.set_result(function())
       except BaseException as error:  # handed to the awaiting handler
@@ -308,7 +311,7 @@ class EngineLoop:
   def _notify_idle(self) -> None:
     if not self._tracked and not self.engine.has_unfinished():
       for future in self._idle_waiters:
-        future.set_result(True)
+        _settle(future, True)
       self._idle_waiters = []
 
   def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
@@ -349,15 +352,20 @@ class EngineLoop:
     if output.finished:
       reason = output.finish_reason or "aborted"
       # A passed deadline is an error for the client, not one of OpenAI's reasons.
-      reason = reason if reason == "deadline" else FINISH_REASONS.get(reason, "abort")
-      return self._end(tracked, output.new_token_ids, reason, text, deliver=False)
+      if reason == "deadline":
+        hint = self.engine.scheduler.deadline_retry_after(tracked.request)
+        return self._end(tracked, output.new_token_ids, reason, text, deliver=False,
+                         retry_after=hint)
+      return self._end(tracked, output.new_token_ids, FINISH_REASONS.get(reason, "abort"),
+                       text, deliver=False)
     if not text and not output.new_token_ids:
       return None
     return Delta(text, tuple(output.new_token_ids),
                  num_output_tokens=tracked.request.num_output_tokens)
 
   def _end(self, tracked: _Tracked, token_ids: Sequence[int], finish_reason: str,
-           text: str = "", *, deliver: bool = True) -> Delta:
+           text: str = "", *, deliver: bool = True,
+           retry_after: float | None = None) -> Delta:
     """The last delta of a request: held-back text flushed, metrics read, forgotten."""
     del self._tracked[tracked.request.request_id]
     if tracked.detokenizer is not None and not tracked.stops.stopped:
@@ -365,7 +373,7 @@ class EngineLoop:
       text += tracked.stops.flush()
     self.metrics.ended(tracked.request)
     delta = Delta(text, tuple(token_ids), finish_reason,
-                  num_output_tokens=tracked.request.num_output_tokens)
+                  num_output_tokens=tracked.request.num_output_tokens, retry_after=retry_after)
     if deliver:
       self.loop.call_soon_threadsafe(tracked.stream._deliver, delta)
     return delta
@@ -377,7 +385,14 @@ class EngineLoop:
     if deliveries:
       self.loop.call_soon_threadsafe(_deliver_all, deliveries)
     for future in self._idle_waiters:
-      future.set_result(False)
+      _settle(future, False)
+    self._idle_waiters = []
+
+
+def _settle(future: concurrent.futures.Future, result: Any) -> None:
+  """Resolves `future` unless its waiter gave up (`wait_idle`'s timeout cancels it)."""
+  if future.set_running_or_notify_cancel():
+    future.set_result(result)
 
 
 def _deliver_all(deliveries: list[tuple[Stream, Delta]]) -> None:

@@ -155,6 +155,19 @@ def _same(value: Any, default: Any) -> bool:
   return type(value) is type(default) and value == default
 
 
+def scalar_values(value: str, param: str) -> str:
+  """`value`, if it is text: Unicode scalar values only. JSON can carry a lone surrogate
+  (`"\\ud800"`), which no tokenizer or UTF-8 response can hold."""
+  if not value.isascii():
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as error:
+      raise invalid(param, f"'{param}' holds a lone surrogate ({value[error.start]!r} at "
+                    f"character {error.start}): text must be Unicode scalar values",
+                    code="invalid_text") from None
+  return value
+
+
 def _stop(body: dict) -> tuple[str, ...]:
   value = body.get("stop")
   if value is None:
@@ -164,7 +177,7 @@ def _stop(body: dict) -> tuple[str, ...]:
       or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in stops)):
     raise invalid("stop", f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} "
                   f"non-empty strings of at most {MAX_STOP_LENGTH} characters")
-  return tuple(stops)
+  return tuple(scalar_values(stop, "stop") for stop in stops)
 
 
 def _common(body: dict, *, chat: bool, max_tokens_field: str = "max_tokens") -> dict:
@@ -172,6 +185,8 @@ def _common(body: dict, *, chat: bool, max_tokens_field: str = "max_tokens") -> 
   model = body.get("model")
   if model is not None and not isinstance(model, str):
     raise invalid("model", f"'model' must be a string, got {model!r}")
+  if model is not None:
+    scalar_values(model, "model")
   stream = _bool(body, "stream")
   options = body.get("stream_options")
   if options is not None:
@@ -208,7 +223,7 @@ def parse_completion(body: Any) -> GenerationRequest:
   if isinstance(prompt, str):
     if not prompt:
       raise invalid("prompt", "'prompt' is empty", code="empty_prompt")
-    text = prompt
+    text = scalar_values(prompt, "prompt")
   elif isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
     # `type(t) is int`, not `_is_int`: JSON ints decode to exactly int (no bools, no
     # subclasses), and a long prompt's ids are checked at a third of the cost.
@@ -254,10 +269,10 @@ def _messages(value: Any) -> list[dict[str, str]]:
 def _content(content: Any, where: str) -> str:
   """Text content: a string, or a list of `{"type": "text", "text": ...}` parts."""
   if isinstance(content, str):
-    return content
+    return scalar_values(content, f"{where}.content")
   if isinstance(content, list) and all(
       isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
       for part in content):
-    return "".join(part["text"] for part in content)
+    return scalar_values("".join(part["text"] for part in content), f"{where}.content")
   raise invalid(f"{where}.content", f"'{where}.content' must be a string or a list of text "
                 "parts (images and audio are not supported)")
