@@ -145,6 +145,10 @@ def main(argv: list[str]) -> None:
                       memory_gb=_MEMORY_GB.value, weights_gb=_WEIGHTS_GB.value,
                       reserve_gb=_RESERVE_GB.value)
   prefix_tokens, groups = workload.parse_shared_prefix(_SHARED_PREFIX.value)
+  if groups and prefix_tokens >= _SEQ_LEN.value:
+    raise ValueError(f"--shared_prefix={_SHARED_PREFIX.value}: a prefix of {prefix_tokens:,} "
+                     f"tokens must be shorter than --seq_len={_SEQ_LEN.value:,}, the whole "
+                     "request it starts")
   if _JSON.value:
     primary = plans.get("given", plans["exact"])
     record = dataclasses.asdict(primary)

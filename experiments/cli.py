@@ -15,11 +15,15 @@ it created if the run fails, so a failed run leaves nothing behind.
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import pathlib
+import shutil
+import signal
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,6 +35,9 @@ USAGE_ERROR, INTERNAL_ERROR = 2, 1
 # jax logs at INFO each accelerator backend it probes and cannot find ("Unable to
 # initialize backend 'tpu'"); absl prints INFO, which would make a one-line error two.
 logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+# config_flags warns before the error `load_config` reports in one line.
+logging.getLogger("absl").addFilter(
+    lambda record: "did you forget a return statement" not in str(record.msg))
 
 
 class UsageError(ValueError):
@@ -47,7 +54,11 @@ def _last_line(error: BaseException) -> str:
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with every failure (config overrides included) as one line."""
+  """absl's flag parsing, with every failure (config overrides and config files
+  included) as one line."""
+  given = [arg for arg in argv[1:] if arg.split("=")[0] in ("--config", "-config")]
+  if len(given) > 1:
+    raise UsageError(f"--config is given {len(given)} times ({', '.join(given)}): give one")
   try:
     return flags.FLAGS(argv)
   except flags.Error as error:
@@ -55,7 +66,52 @@ def _parse_flags(argv: list[str]) -> list[str]:
   except (AttributeError, KeyError, TypeError, ValueError) as error:
     # A `--config.a.b=...` override names a key the config lacks or a value of the
     # wrong type; ml_collections reports it as a chain of these.
+    if isinstance(error, UnicodeDecodeError) or not _overrides(argv):
+      raise UsageError(_config_file_error(error, given)) from None
     raise UsageError(_override_error(error, argv)) from None
+  except Exception as error:  # the config file's own code failed: its error, one line
+    raise UsageError(_config_file_error(error, given)) from None
+
+
+def _config_file_error(error: BaseException, given: list[str]) -> str:
+  """One line for a config file that does not run: its error, and where."""
+  where = f"the config file {given[0].split('=', 1)[-1]!r}" if given else "the config file"
+  if isinstance(error, SyntaxError):
+    at = f", line {error.lineno}" if error.lineno else ""
+    return f"cannot load {where}: SyntaxError: {error.msg}{at}"
+  return f"cannot load {where}: {type(error).__name__}: {_last_line(error)}"
+
+
+def config_overrides() -> dict[str, str]:
+  """The `--config.PATH=VALUE` overrides on this program's command line, by path."""
+  return _overrides(sys.argv)
+
+
+def _overrides(argv: list[str]) -> dict[str, str]:
+  """The `--config.PATH=VALUE` overrides in `argv`, by path."""
+  found = {}
+  for arg in argv[1:]:
+    name, equals, value = arg.lstrip("-").partition("=")
+    if name.startswith("config.") and equals:
+      found[name.removeprefix("config.")] = value
+  return found
+
+
+def check_one_source(config: Any, shortcuts: dict[str, tuple[str, Any]]) -> None:
+  """Raises `UsageError` where a shortcut flag (name -> (config path, value)) and a
+  `--config.PATH=...` override of the same path were both given, with different values:
+  the run would silently use one of them."""
+  overridden = config_overrides()
+  for name, (path, value) in shortcuts.items():
+    if path not in overridden:
+      continue
+    *sections, key = path.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    if node[key] != value:
+      raise UsageError(f"--{name}={value} and --config.{path}={overridden[path]} disagree: "
+                       "give one of them")
 
 
 def _override_error(error: BaseException, argv: list[str]) -> str:
@@ -71,12 +127,20 @@ def _override_error(error: BaseException, argv: list[str]) -> str:
 
 def load_config(holder: flags.FlagHolder):
   """The value of a `config_flags.DEFINE_config_file` flag, or a one-line exit."""
+  import ml_collections  # Here: only entry points need it.
+
   try:
     config = holder.value
     config.keys()  # A config that failed to load raises on first attribute access.
-    return config
-  except (OSError, ValueError, AttributeError, KeyError, TypeError, SyntaxError) as error:
+  except (OSError, ValueError, AttributeError, KeyError, TypeError, SyntaxError,
+          flags.Error) as error:
+    if "Unexpected None value" in str(error):  # config_flags' word for it
+      raise UsageError(f"cannot load --{holder.name}: get_config() returned None") from None
     raise UsageError(f"cannot load --{holder.name}: {_last_line(error)}") from None
+  if not isinstance(config, ml_collections.ConfigDict):
+    raise UsageError(f"cannot load --{holder.name}: get_config() must return an "
+                     f"ml_collections.ConfigDict, got {type(config).__name__}")
+  return config
 
 
 def _missing_parents(path: pathlib.Path) -> list[pathlib.Path]:
@@ -96,6 +160,8 @@ def workdir(path: str) -> Iterator[pathlib.Path]:
   Checked up front so that a run never ends unable to save its results; removed on
   failure so that a rejected input leaves no empty directory behind.
   """
+  if not path.strip():
+    raise UsageError("--workdir is empty: name the directory the run writes into")
   directory = pathlib.Path(path)
   created = _missing_parents(directory.absolute())
   try:
@@ -121,24 +187,38 @@ def _remove_empty(directories: list[pathlib.Path]) -> None:
 def write_files(directory: pathlib.Path, files: dict[str, str]) -> None:
   """Writes every `name -> text` into `directory`, all or nothing.
 
-  Each file goes to a temporary name in the same directory first (so the final
-  rename stays on one file system and is atomic); only when all are written are they
-  renamed into place. If any write fails, the temporary files are removed.
+  The files are written into a temporary folder inside `directory` (so each final
+  rename stays on one file system and is atomic), and every destination is checked to
+  be replaceable; only then are they renamed into place. If anything fails, the
+  temporary folder is removed and `directory` holds what it held before.
   """
-  staged: list[tuple[str, str]] = []
+  staging = pathlib.Path(tempfile.mkdtemp(dir=directory, prefix=".staging-"))
   try:
     for name, text in files.items():
-      handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-      staged.append((temporary, name))
-      with os.fdopen(handle, "w") as f:
-        f.write(text)
-  except BaseException:
-    for temporary, _ in staged:
+      (staging / name).write_text(text)
+    for name in files:
+      target = directory / name
+      if target.is_dir() or (target.exists() and not os.access(target, os.W_OK)):
+        raise OSError(f"cannot write {target}: it is a directory or read-only")
+    for name in files:
+      os.replace(staging / name, directory / name)
+  finally:
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def append_line(path: pathlib.Path, line: str) -> None:
+  """Appends `line` (one JSON row, no newline) to `path` whole: if the write fails (a
+  full disk), the file is cut back to where it was, so no partial row stays."""
+  with path.open("a") as f:
+    start = f.tell()
+    try:
+      f.write(line + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    except BaseException:
       with contextlib.suppress(OSError):
-        os.unlink(temporary)
-    raise
-  for temporary, name in staged:
-    os.replace(temporary, directory / name)
+        f.truncate(start)
+      raise
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -166,6 +246,7 @@ def _report_internal(error: BaseException) -> str:
 
 def _guarded(main: Callable[[list[str]], None], argv: list[str]) -> int:
   """Runs `main`; returns the exit status after printing at most one `error:` line."""
+  _RUNNING.append(True)
   try:
     if len(argv) > 1:
       raise UsageError(f"unexpected arguments {argv[1:]}; all options are --flags")
@@ -176,7 +257,8 @@ def _guarded(main: Callable[[list[str]], None], argv: list[str]) -> int:
   except MemoryError as error:  # numpy's allocation failure says how much it wanted
     message = f"error: out of memory: {_last_line(error) or 'an allocation failed'}"
   except KeyboardInterrupt:
-    message = "error: interrupted"
+    message = "error: interrupted; nothing half-written is left behind"
+    _INTERRUPTED.append(True)
   except SystemExit:
     raise
   except Exception as error:  # a defect: reported as one, never passed off as bad input
@@ -232,13 +314,17 @@ def define_scheduler_shortcuts() -> dict[str, flags.FlagHolder]:
 
 def apply_scheduler_shortcuts(config, holders: dict[str, flags.FlagHolder]) -> None:
   """The shortcut flags that were given, into `config.scheduler`, typed like the defaults."""
+  typed = {}
   for name, holder in holders.items():
     if holder.value is not None:
       kind = type(config.scheduler[name])
       try:
-        config.scheduler[name] = kind(holder.value)
+        typed[name] = (f"scheduler.{name}", kind(holder.value))
       except ValueError:
         raise ValueError(f"--{name}={holder.value!r} must be of type {kind.__name__}") from None
+  check_one_source(config, typed)
+  for name, (_, value) in typed.items():
+    config.scheduler[name] = value
 
 
 def hold_serving_line(config: Any) -> str:
@@ -319,7 +405,49 @@ def run(main: Callable[[list[str]], None]) -> None:
       print(f"error: {error}", file=sys.stderr, flush=True)
       sys.exit(USAGE_ERROR)
 
-  app.run(lambda argv: sys.exit(_guarded(main, argv)), flags_parser=flags_parser)
+  catch_interrupts()
+  app.run(lambda argv: _exit(_guarded(main, argv)), flags_parser=flags_parser)
+
+
+_INTERRUPTED: list[bool] = []
+_RUNNING: list[bool] = []  # whether `main` has started (before: imports, flags)
+
+
+def _exit(status: int) -> None:
+  """`sys.exit(status)`; after an interrupt, without the interpreter's teardown: XLA's
+  compiler threads may still run, and tearing the runtime down under them crashes.
+  Nothing is lost: the run unwound already (its workdir cleaned up, its files written
+  whole or not at all)."""
+  if _INTERRUPTED:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+  sys.exit(status)
+
+
+def catch_interrupts() -> None:
+  """SIGINT and SIGTERM (what `timeout`, systemd and Kubernetes send) raise
+  KeyboardInterrupt, which unwinds the run and ends it with one line, exit status 2."""
+  signal.signal(signal.SIGINT, _interrupt)
+  signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+  """Raises KeyboardInterrupt, unless `frame` is inside a garbage-collector callback
+  (jax registers one), where Python would swallow it: then the signal is sent again
+  in a moment, to land outside. Before `main` started (imports, flags), nothing can be
+  half-written: the program ends at once, in one line."""
+  if not _RUNNING:
+    print("error: interrupted", file=sys.stderr, flush=True)
+    os._exit(USAGE_ERROR)
+  callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+  while frame is not None:
+    if frame.f_code in callbacks:
+      threading.Timer(0.05, signal.raise_signal, (signum,)).start()
+      return
+    frame = frame.f_back
+  raise KeyboardInterrupt
+
 
 
 def page_count_for_checkpoint(config: Any, checkpoint: str | None, num_pages_flag: str) -> None:

@@ -22,7 +22,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import matplotlib
+try:
+  import matplotlib
+except ImportError:  # bad setup, not a defect: one `error:` line from the entry points
+  raise ValueError("figures need matplotlib: pip install -e '.[notebooks]'") from None
 
 if "matplotlib.pyplot" not in sys.modules and "ipykernel" not in sys.modules:
   matplotlib.use("Agg")

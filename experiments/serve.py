@@ -132,6 +132,8 @@ def main(argv: list[str]) -> None:
     if holder.value is not None:
       config.server[name] = int(holder.value) if name == "kv_pressure_status" else holder.value
   configs_check.check(config)
+  if _PROCESSES.process_id.value == 0:  # the one that serves: its port, before warm-up
+    server.check_address(config.server.host, config.server.port)
   line = cli.hold_serving_line(config)
   tokenizer, eos_ids = None, ()
   if _CHECKPOINT.value:

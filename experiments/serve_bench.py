@@ -27,6 +27,7 @@ notebooks call it, so one cell of a sweep is exactly this run.
 import contextlib
 import dataclasses
 import math
+from typing import cast
 
 import ml_collections
 from absl import flags
@@ -182,6 +183,24 @@ def check_shortcuts(values: dict[str, object]) -> None:
     raise ValueError(f"--num_host_pages must be >= 0, got {host_pages}")
 
 
+# What a trace replaces (it holds every request's arrival, prompt and output), and what
+# a lengths CSV replaces (the lengths; arrivals are still drawn).
+TRACE_REPLACES = ("num_requests", "arrival_rate", "arrival_process", "prompt_len", "output_len",
+                  "priority", "shared_prefix", "conversation", "lengths_csv")
+LENGTHS_REPLACE = ("prompt_len", "output_len", "shared_prefix", "conversation")
+
+
+def check_workload_source(given: set[str]) -> None:
+  """Refuses synthetic-workload settings given beside the trace or the lengths CSV that
+  replaces them (as flags or `--config.bench.*` overrides): the run would ignore them
+  while its record named them."""
+  for source, replaced in (("trace", TRACE_REPLACES), ("lengths_csv", LENGTHS_REPLACE)):
+    clash = sorted(given & set(replaced)) if source in given else []
+    if clash:
+      raise ValueError(f"--{source} replaces {', '.join('--' + name for name in clash)}: "
+                       "give one or the other")
+
+
 def config_from_flags() -> ml_collections.ConfigDict:
   """`--config` with its overrides, then every shortcut flag given on the command line
   (the settings, the scheduler's, `--calibration`) written into it."""
@@ -194,6 +213,11 @@ def config_from_flags() -> ml_collections.ConfigDict:
   given = {name: flags.FLAGS[name].value for name in (*SETTINGS, *CONFIG_SHORTCUTS)
            if flags.FLAGS[name].present}
   check_shortcuts(given)
+  cli.check_one_source(config, {name: (cast(str, setting_path(name)), value)
+                                for name, value in given.items()})
+  overridden = {path.removeprefix("bench.") for path in cli.config_overrides()
+                if path.startswith("bench.")}
+  check_workload_source(set(given) | overridden)
   for name, value in given.items():
     set_path(config, setting_path(name), value)
   cli.page_count_for_checkpoint(config, config.bench.checkpoint, "num_pages")
@@ -375,14 +399,7 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
       memory_plan=setup.memory_plan and setup.memory_plan.to_dict(),
       page_size=setup.config.cache.page_size, policies=setup.config.scheduler.to_dict(),
       seed=settings.seed,
-      workload=dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
-                    prompt_len=settings.prompt_len, output_len=settings.output_len,
-                    priority=settings.priority, shared_prefix=settings.shared_prefix,
-                    conversation=settings.conversation,
-                    trace=settings.trace,
-                    lengths_csv=settings.lengths_csv,
-                    ignore_eos=settings.ignore_eos, max_tokens=settings.max_tokens,
-                    observed=workload.summarize(trace)),
+      workload=workload_record(settings, trace),
       checkpoint=settings.checkpoint, warmup=settings.warmup,
       compiles_during_run=executor.num_compiles - compiles_before, **premises.environment(),
       **({"backends": setup.backends} if setup.backends else {}))
@@ -410,14 +427,37 @@ def _prefix_line(cache: dict) -> str:
           f"({cache['hit_rate']:.1%}), {cache['evicted_pages']:,} pages evicted")
 
 
+def workload_record(settings: BenchSettings, trace: list[workload.TraceRequest]) -> dict:
+  """The workload as it ran: a trace's file (its arrivals, lengths and priorities are
+  the trace's own), or the synthetic spec, its lengths from a CSV where one was given;
+  and what was observed of it."""
+  spec: dict[str, object]
+  if settings.trace:
+    spec = dict(trace=settings.trace, arrival_rate="trace", arrival_process="trace",
+                prompt_len="trace", output_len="trace")
+  else:
+    spec = dict(arrival_rate=settings.arrival_rate, arrival_process=settings.arrival_process,
+                priority=settings.priority)
+    if settings.lengths_csv:
+      spec.update(lengths_csv=settings.lengths_csv, prompt_len="lengths_csv",
+                  output_len="lengths_csv")
+    else:
+      spec.update(prompt_len=settings.prompt_len, output_len=settings.output_len,
+                  shared_prefix=settings.shared_prefix, conversation=settings.conversation)
+  return dict(spec, ignore_eos=settings.ignore_eos, max_tokens=settings.max_tokens,
+              observed=workload.summarize(trace))
+
+
 def format_summary(summary: dict) -> str:
   p = summary["premises"]
   w = p["workload"]
   lines = [
       f"kvpage serve_bench: {p['executor']} executor, model {p['model']['name']} "
       f"({p['dtype']}), hardware {p['hardware']['name']}",
-      f"  workload  {w['observed']['num_requests']} requests, rate {w['arrival_rate']}/s "
-      f"({w['arrival_process']}), prompt {w['prompt_len']} (observed p50 "
+      f"  workload  {w['observed']['num_requests']} requests, "
+      + (f"replayed from {w['trace']} " if w.get("trace") else
+         f"rate {w['arrival_rate']}/s ({w['arrival_process']}), ")
+      + f"prompt {w['prompt_len']} (observed p50 "
       f"{w['observed']['prompt_len']['p50']:.0f}, max {w['observed']['prompt_len']['max']}), "
       f"output {w['output_len']}"
       + (f", shared prefix {w['shared_prefix']}" if w.get("shared_prefix") else "")

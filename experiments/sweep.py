@@ -42,6 +42,7 @@ import itertools
 import json
 import multiprocessing
 import pathlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -59,6 +60,7 @@ WORKERS = flags.DEFINE_integer("sweep_workers", 1, "Cells run at once, each in a
                                "process (simulated sweeps; real-model cells need 1).")
 flags.FLAGS.set_default("workdir", "workdir/sweep")
 
+MAX_SEEDS = 1000  # runs per cell; a grid is planned whole, in memory, before any runs
 RESULTS, TABLE, MANIFEST, CURVES = "results.jsonl", "results.csv", "sweep.json", "curves.png"
 # The serve_bench flags a sweep may turn: the settings, and the shortcuts for other
 # config entries.
@@ -285,6 +287,8 @@ def read_rows(directory: pathlib.Path) -> list[dict[str, Any]]:
       if number < len(lines):
         raise ValueError(f"{path}:{number} is not a JSON row; the results file is "
                          "damaged (remove the line to rerun that cell)") from None
+      print(f"note: {path}:{number} is a row cut short (a run that stopped while writing "
+            "it); dropped, and its cell runs again", file=sys.stderr, flush=True)
       path.write_text("".join(json.dumps(row) + "\n" for row in rows))
   return rows
 
@@ -336,8 +340,7 @@ def run_cells(cells: Sequence[Cell], directory: pathlib.Path, *, show_progress: 
       run_directory = directory / "runs" / cell.cell_id
       run_directory.mkdir(parents=True, exist_ok=True)
       cli.write_files(run_directory, files)
-    with (directory / RESULTS).open("a") as results:  # one write per row
-      results.write(json.dumps(row) + "\n")
+    cli.append_line(directory / RESULTS, json.dumps(row))  # whole, or not at all
     done[cell.cell_id] = row
     cli.write_files(directory, {TABLE: tidy_table([done[c.cell_id] for c in cells
                                                    if c.cell_id in done])})
@@ -411,8 +414,10 @@ def main(argv: list[str]) -> None:
   del argv  # Unused.
   config = serve_bench.config_from_flags()
   axes = axes_from_flags(config)
-  if _SEEDS.value < 1:
-    raise ValueError(f"--seeds must be >= 1, got {_SEEDS.value}")
+  if not 1 <= _SEEDS.value <= MAX_SEEDS:
+    raise ValueError(f"--seeds must be in [1, {MAX_SEEDS:,}], got {_SEEDS.value:,}")
+  if config.bench.seed + _SEEDS.value > 2**32:
+    raise ValueError(f"--seed {config.bench.seed} + --seeds {_SEEDS.value} passes 2**32")
   seeds = [config.bench.seed + i for i in range(_SEEDS.value)]
   cells = plan(config, axes, seeds)
   x = _PLOT_X.value or (default_x(axes) if flags.FLAGS.plot else None)

@@ -144,7 +144,7 @@ def test_the_pool_runs_no_cell_after_one_fails():
     (["--sweep=num_requests=ten"], "--sweep num_requests"),
     (["--sweep=seed=1,2"], "use --seeds"),
     (["--sweep=chunk_size=1", "--sweep=scheduler.chunk_size=2"], "names a key twice"),
-    (["--sweep=chunk_size=256", "--seeds=0"], "--seeds must be >= 1"),
+    (["--sweep=chunk_size=256", "--seeds=0"], "--seeds must be in [1, 1,000]"),
     # A cell no run could take, caught before the first run starts.
     (["--sweep=prefill_policy=chunked,none"], "the cell prefill_policy=none seed=3 cannot run"),
     (["--sweep=watermark=0.1,1.5"], "watermark must be a fraction"),

@@ -22,6 +22,7 @@ aborted; then uvicorn shuts down and the process exits 0. A second signal stops 
 import asyncio
 import collections
 import dataclasses
+import errno
 import json
 import resource
 import socket
@@ -262,6 +263,25 @@ class DrainingServer(uvicorn.Server):
     print(f"kvpage serve: drained; {aborted} requests aborted at the drain timeout",
           file=sys.stderr, flush=True)
     self.should_exit = True
+
+
+def check_address(host: str, port: int) -> None:
+  """Raises `ValueError` (one line) unless this process could listen on `host:port`
+  now: checked before minutes of warm-up, not after."""
+  try:
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+  except (socket.gaierror, UnicodeError) as error:
+    raise ValueError(f"cannot listen on {host}:{port}: the host does not resolve "
+                     f"({getattr(error, 'strerror', None) or error})") from None
+  with socket.socket(family, kind, proto) as probe:
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+      probe.bind(address)
+    except OSError as error:
+      raise ValueError(f"cannot listen on {host}:{port}: {error.strerror or error}"
+                       + (" (another server holds the port?)"
+                          if error.errno == errno.EADDRINUSE else "")) from None
 
 
 def serve(gateway: Gateway, *, host: str, port: int, banner: str = "",

@@ -77,6 +77,9 @@ from scipy import optimize
 from kvpage.sim.hardware import HardwareSpec
 from kvpage.sim.operators import Datasheet, OperatorRates
 from kvpage.sim.step_model import RegimeRates, StepModel, StepRates, StepWork
+from kvpage.sim.workload import check_input_file
+
+MAX_CALIBRATION_BYTES = 64 * 2**20  # a fit's rates and residuals: kilobytes in practice
 
 WEIGHTINGS = ("absolute", "relative", "by_kind")
 LOSSES = ("squares", "absolute")
@@ -393,6 +396,7 @@ def profile_samples(path: str | pathlib.Path, model: StepModel,
   """One sample per row of a per-batch profile CSV (`PROFILE_COLUMNS`, the Sarathi-Serve
   artifact's): a decode-only batch, each sequence at `context` tokens (profiles do not
   record it), or one request's whole prompt."""
+  check_input_file(path, "--profile")
   try:
     with open(path, newline="") as handle:
       rows = list(csv.DictReader(handle))
@@ -466,6 +470,7 @@ def save(path: str | pathlib.Path, result: Fit, premises: dict[str, Any],
 def load(path: str | pathlib.Path) -> dict[str, Any]:
   """Reads a calibration file; raises ValueError naming what is wrong with it."""
   path = pathlib.Path(path)
+  check_input_file(path, "calibration", MAX_CALIBRATION_BYTES)
   try:
     record = json.loads(path.read_text())
   except OSError as error:

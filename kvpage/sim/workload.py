@@ -40,6 +40,23 @@ Sampler = Callable[[np.random.Generator, int], np.ndarray]
 # time stands still), or priorities would overflow the int64 arrays they pass through.
 MAX_LENGTH = 2**24  # tokens in one prompt or output
 MAX_REQUESTS = 10**6
+MAX_INPUT_BYTES = 2**30  # a trace, lengths CSV or profile read whole: at most 1 GiB
+
+
+def check_input_file(path: str | pathlib.Path, what: str,
+                     max_bytes: int = MAX_INPUT_BYTES) -> None:
+  """Raises `ValueError` unless `path` is a regular file of at most `max_bytes`, before
+  anything reads it: `/dev/zero`, a pipe or a runaway file would be read until memory
+  is gone."""
+  try:
+    stat = pathlib.Path(path).stat()
+  except OSError as error:
+    raise ValueError(f"{what} {path}: cannot read it ({error.strerror or error})") from None
+  if not pathlib.Path(path).is_file():
+    raise ValueError(f"{what} {path}: not a regular file")
+  if stat.st_size > max_bytes:
+    raise ValueError(f"{what} {path}: {stat.st_size:,} bytes, more than the "
+                     f"{max_bytes:,} it may hold")
 MAX_TRACE_TOKENS = 2**25  # prompt tokens in one whole trace
 MAX_ARRIVAL_S = 1e8  # about three years
 MAX_PRIORITY = 2**31 - 1  # |priority|
@@ -151,6 +168,7 @@ LENGTH_COLUMNS = (("prompt_len", "output_len"), ("num_prefill_tokens", "num_deco
 def load_lengths_csv(path: str | pathlib.Path) -> list[tuple[int, int]]:
   """(prompt, output) lengths, one per row of a CSV with a header naming them
   (`LENGTH_COLUMNS`); names the first row that is not two whole lengths."""
+  check_input_file(path, "lengths CSV")
   try:
     with open(path, newline="") as handle:
       reader = csv.DictReader(handle)
@@ -341,11 +359,14 @@ def save_jsonl(trace: Sequence[TraceRequest], path: str | pathlib.Path) -> None:
 
 def load_jsonl(path: str | pathlib.Path) -> list[TraceRequest]:
   """Reads a trace written by `save_jsonl`; names the line of any malformed entry."""
+  check_input_file(path, "trace")
   trace = []
   with open(path) as f:
     for number, line in enumerate(f, start=1):
       if not line.strip():
         continue
+      if len(trace) == MAX_REQUESTS:
+        raise ValueError(f"{path}: more than {MAX_REQUESTS:,} requests")
       try:
         fields = json.loads(line)
         if not isinstance(fields, dict):
