@@ -341,6 +341,15 @@ def hold_serving_line(config: Any) -> str:
   return f"forecast TTFT line {line:g} s (server.ttft_line_s)"
 
 
+def spread_retry_hints(config: Any) -> None:
+  """The server's `retry_jitter` into the scheduler section, unless that spreads its hints
+  itself: clients refused in one burst are told different times, so they do not all
+  come back at once."""
+  jitter = config.server.get("retry_jitter")
+  if jitter and not config.scheduler.retry_jitter:
+    config.scheduler.retry_jitter = float(jitter)
+
+
 def define_tensor_parallel() -> flags.FlagHolder:
   """`--tensor_parallel`, the shortcut for `--config.mesh.tensor_parallel`."""
   return flags.DEFINE_integer("tensor_parallel", None,

@@ -135,6 +135,7 @@ def main(argv: list[str]) -> None:
   if _PROCESSES.process_id.value == 0:  # the one that serves: its port, before warm-up
     server.check_address(config.server.host, config.server.port)
   line = cli.hold_serving_line(config)
+  cli.spread_retry_hints(config)
   tokenizer, eos_ids = None, ()
   if _CHECKPOINT.value:
     tokenizer = hf.load_tokenizer(_CHECKPOINT.value)
@@ -169,7 +170,10 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...]) 
     count = engine.executor.warmup(scheduler_config.max_num_seqs,
                                    scheduler_config.max_num_batched_tokens, all_greedy=greedy,
                                    num_decode_steps=scheduler_config.num_decode_steps)
-    print(f"kvpage serve: compiled {count} step programs", flush=True)
+    priced = engine.price_steps()  # hints and ETAs priced before the first request
+    compiled = f"compiled {count} step programs" if count else "nothing to compile"
+    print(f"kvpage serve: {compiled}; timed {priced} step shapes for the wait forecast",
+          flush=True)
   server = setup.config.server
   name = (_CHECKPOINT.value.rstrip("/").split("/")[-1] if _CHECKPOINT.value
           else setup.config.model.name)

@@ -209,6 +209,14 @@ class Executor(abc.ABC):
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
     """Compiles every step a scheduler with these limits can launch; returns how many."""
 
+  def measure_steps(self, max_num_seqs: int,
+                    max_num_batched_tokens: int) -> list[tuple[int, int, int, float]]:
+    """Steps run (or priced) before any request, after `warmup`: `(tokens, context
+    tokens, sequences, seconds)` each, so that the wait forecast behind retry hints and
+    ETAs has prices before the first real step. This default: none."""
+    del max_num_seqs, max_num_batched_tokens  # Unused.
+    return []
+
   @property
   @abc.abstractmethod
   def num_compiles(self) -> int:

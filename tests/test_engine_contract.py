@@ -87,6 +87,20 @@ def test_simulated_executor_keeps_the_contract():
   assert [len(r.output_ids) for r in requests] == [5, 5, 5] and engine.clock() > 0
 
 
+def test_steps_are_priced_before_the_first_request_without_running_any():
+  """`Engine.price_steps`: the wait forecast has prices (retry hints, ETAs) from the
+  executor's warm-up measurements, and the simulated device's timeline is untouched."""
+  config = tiny.get_config()
+  engine = build.sim_engine(config.model, hardware_lib.get_hardware("cpu"), config.scheduler,
+                            num_pages=64, page_size=16)
+  wait = engine.scheduler.admission.wait
+  assert not wait.priced()
+  assert engine.price_steps() > 0
+  assert wait.priced() and engine.clock() == 0.0 and engine.executor.costs == []
+  decode, prefill = (wait.costs.predict(n, 0, prefill=p) for n, p in ((4, False), (64, True)))
+  assert decode is not None and prefill is not None and 0 < decode < prefill
+
+
 def test_the_simulated_device_queues_steps_behind_the_one_in_flight():
   """`submit` returns at once with the step queued behind the one in flight; `collect`
   waits (advances the clock) to its end. So under async scheduling a request that

@@ -114,6 +114,13 @@ def test_v1_needs_one_of_the_keys(server, headers, status):
   assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == status
 
 
+def test_the_wait_forecast_is_priced_before_the_first_request(server):
+  """Warm-up times every step shape, so the first refusals carry priced hints, not all
+  the same default second."""
+  timed = [line for line in server.lines if "step shapes for the wait forecast" in line]
+  assert timed and int(timed[0].split("timed ")[1].split()[0]) > 0, server.lines
+
+
 def test_probes_stay_open_and_foreign_hosts_and_origins_are_refused(server, address):
   assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
   assert "kvpage:num_requests_running" in httpx.get(f"{server.url}/metrics").text

@@ -23,6 +23,8 @@ rather than one experiment's loop, covers every real run, whoever drives the eng
 
 import contextlib
 import dataclasses
+import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,8 @@ from kvpage.device import sharding
 from kvpage.device.sharding import TensorParallel
 from kvpage.device.step import ForwardFn, Step
 from kvpage.interface import CostTraits, Executor, Samples, SchedulerOutput
+
+MEASURE_REPEATS = 3  # runs of each shape `measure_steps` times; the fastest is kept
 
 
 def transfer_guard(level: str = "disallow") -> contextlib.AbstractContextManager[None]:
@@ -181,3 +185,23 @@ class JaxExecutor(Executor):
       if self._feed is not None:
         self._feed.block_until_ready()
     return count
+
+  def measure_steps(self, max_num_seqs: int,
+                    max_num_batched_tokens: int) -> list[tuple[int, int, int, float]]:
+    """Each warm-up shape (greedy) timed, the faster of `MEASURE_REPEATS` runs: all
+    padding, so no context is read (the real steps' samples bring the KV reads in)."""
+    width = self.buckets.table_width(1)
+    measured = []
+    with transfer_guard(self.guard):
+      for num_tokens, num_seqs, decode_only in self.buckets.warmup_shapes(
+          max_num_seqs, max_num_batched_tokens):
+        batch = batch_lib.example_batch(num_tokens, num_seqs, width, decode_only=decode_only)
+        best = math.inf
+        for _ in range(MEASURE_REPEATS):
+          start = time.perf_counter()
+          self._feed, self.cache = self.step.dispatch(self.params, self.cache, batch, True,
+                                                      self._feed)
+          self._feed.block_until_ready()
+          best = min(best, time.perf_counter() - start)
+        measured.append((num_tokens, 0, num_seqs, best))
+    return measured

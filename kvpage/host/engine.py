@@ -73,6 +73,16 @@ class Engine:
     """Ends a live request with finish reason `reason`; False if it is not live."""
     return self.scheduler.abort(request_id, reason)
 
+  def price_steps(self) -> int:
+    """Teaches the wait forecast (retry hints, ETAs) what steps cost before the first
+    request: the executor's `measure_steps` at the scheduler's limits, each observed as
+    a step; returns how many. Call after warm-up (a first run compiles)."""
+    rules = self.scheduler.config
+    measured = self.executor.measure_steps(rules.max_num_seqs, rules.max_num_batched_tokens)
+    for num_tokens, context, num_sequences, seconds in measured:
+      self.scheduler.admission.wait.observe_step(num_tokens, context, num_sequences, seconds)
+    return len(measured)
+
   def has_unfinished(self) -> bool:
     """True while a request is live or a launched step is not collected yet."""
     return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -105,6 +105,18 @@ class SimExecutor(Executor):
     del max_num_seqs, max_num_batched_tokens, all_greedy, num_decode_steps  # Unused.
     return 0
 
+  def measure_steps(self, max_num_seqs: int,
+                    max_num_batched_tokens: int) -> list[tuple[int, int, int, float]]:
+    """Each warm-up shape priced by the step model as `JaxExecutor.measure_steps` runs
+    it (all padding: one-token sequences, no noise); nothing is queued or logged."""
+    measured = []
+    for num_tokens, num_seqs, _ in (self.buckets or Buckets()).warmup_shapes(
+        max_num_seqs, max_num_batched_tokens):
+      sizes = [num_tokens // num_seqs + (i < num_tokens % num_seqs) for i in range(num_seqs)]
+      work = self.model.work_from_counts(**metrics.step_counts([(n, n) for n in sizes]))
+      measured.append((num_tokens, 0, num_seqs, self.model.price(work).seconds))
+    return measured
+
   def submit(self, output: SchedulerOutput) -> tuple[float, Samples]:
     """Prices the step and queues it on the device's timeline, behind the step in
     flight; the ticket is when it ends and its samples."""
