@@ -19,7 +19,9 @@ under each admission line an operator could hold, each swept over its own knob:
     `kvpage.host.scheduler.IDLE_ALLOWANCE`: refusing it on every try is no line);
   * `slowdown`: the forecast time to first token, against S x the request's own on an
     idle engine (a relative line: no SLO, no seconds to tune per deployment);
-  * `kv+wait`: both, since memory and compute saturate at different loads.
+  * `kv+wait`: both, since memory and compute saturate at different loads; tuned
+    coordinate-wise, as fairly as each line alone: the watermark the KV line does best
+    with at that traffic and load, then swept over the wait.
 
 Traffic: a long/short mix (`mix:0.1:8000:50`: one prompt in ten is 8,000 tokens) and
 a ShareGPT-like lognormal, steady (Poisson) and bursty (gamma, CV 3), at 1x, 2x, 5x
@@ -188,6 +190,7 @@ def ladders(measured: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
       "wait": [{"scheduler.max_forecast_ttft_s": wait} for wait in waits],
       "slowdown": [{"scheduler.max_ttft_slowdown": s}
                    for s in (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)],
+      # The watermark: the KV line's best at the cell's traffic and load (`cells`).
       "kv+wait": [{"scheduler.admission": "watermark", "scheduler.watermark": 0.15,
                    "scheduler.max_forecast_ttft_s": wait} for wait in waits],
   }
@@ -225,15 +228,22 @@ Where = tuple[str, str, str]  # (mix, arrivals, load), as the table names them
 
 
 def cells(config: Any, scale: Scale, measured: dict[str, Any],
-          chosen: dict[tuple[str, str, str, str], list[int]]) -> list[sweep.Cell]:
-  """The runs of every (mix, arrivals, load, line) at its `chosen` ladder positions."""
+          chosen: dict[tuple[str, str, str, str], list[int]],
+          table: dict[str, Any] | None = None) -> list[sweep.Cell]:
+  """The runs of every (mix, arrivals, load, line) at its `chosen` ladder positions;
+  `kv+wait` at the KV line's best watermark there (in `table`)."""
   ladder = ladders(measured)
   grid = []
   for (mix, arrival, load, line), positions in chosen.items():
     slos = measured[mix]
     rate = float(load.rstrip("x")) * slos["sustainable_requests_per_s"]
     for position in positions:
-      grid.append({**LINE_KEYS, **ladder[line][position], "prompt_len": MIXES[mix],
+      setting = ladder[line][position]
+      if line == "kv+wait":
+        assert table is not None, "kv+wait is planned once the KV line's sweep settled"
+        best = table[mix][arrival][load]["kv"]["best_knob"]
+        setting = {**setting, "scheduler.watermark": float(best)}
+      grid.append({**LINE_KEYS, **setting, "prompt_len": MIXES[mix],
                    "arrival_process": ARRIVALS[arrival], "arrival_rate": f"{rate:.4g}",
                    "slo_ttft": slos["slo_ttft_s"], "slo_tpot": slos["slo_tpot_s"]})
   return sweep.plan_cells(config, grid, range(scale.seeds))
@@ -387,15 +397,22 @@ def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
   """The study into `directory` (resumable) on `setup`; the record for study.json."""
   measured = measure(scale, setup, directory / "measure", show_progress)
   config = base(scale, setup)
-  chosen = {(mix, arrival, f"{load:g}x", line): first_knobs(scale, ladder)
-            for mix in scale.mixes for arrival in scale.arrivals for load in scale.loads
-            for line, ladder in ladders(measured).items()}
+  where = [(mix, arrival, f"{load:g}x") for mix in scale.mixes for arrival in scale.arrivals
+           for load in scale.loads]
+  # Every line alone first; then kv+wait, at the watermark the KV line settled on.
+  chosen = {(*at, line): first_knobs(scale, ladder) for at in where
+            for line, ladder in ladders(measured).items() if line != "kv+wait"}
+  table: dict[str, Any] | None = None
   while True:
-    rows = sweep.run_sweep(config, cells(config, scale, measured, chosen), directory / "runs",
-                           show_progress=show_progress)
+    rows = sweep.run_sweep(config, cells(config, scale, measured, chosen, table),
+                           directory / "runs", show_progress=show_progress)
     table = analyze(rows, measured)
-    if not scale.extend or not extensions(table, measured, chosen):
+    if scale.extend and extensions(table, measured, chosen):
+      continue
+    if any(key[3] == "kv+wait" for key in chosen):
       break
+    chosen.update({(*at, "kv+wait"): first_knobs(scale, ladders(measured)["kv+wait"])
+                   for at in where})
   robust = {arrival: {load: robustness(table, arrival, load)
                       for load in next(iter(table.values()))[arrival]}
             for arrival in next(iter(table.values()))}
@@ -408,6 +425,8 @@ def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
                                      "until it breaks, then bisect to "
                                      f"{scale.tolerance:.0%})",
                          knobs=ladders(measured),
+                         combined="kv+wait: the watermark is the KV line's best at the "
+                                  "same traffic and load, then the wait is swept",
                          extend="each line's sweep extends along its ladder until its "
                                 "optimum is bracketed" if scale.extend else
                                 "each line's sweep is its ladder's middle values (not "

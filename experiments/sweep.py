@@ -243,7 +243,7 @@ def manifest(config: ml_collections.ConfigDict, cells: Sequence[Cell]) -> dict[s
     for key, value in cell.values.items():
       if value not in grid.setdefault(key, []):
         grid[key].append(value)
-  base = config.to_dict()
+  base = _runs_read(config.to_dict())
   for key in grid:
     *sections, name = config_path(key).split(".")
     node = base
@@ -251,6 +251,12 @@ def manifest(config: ml_collections.ConfigDict, cells: Sequence[Cell]) -> dict[s
       node = node[section]
     node.pop(name, None)
   return dict(base=dict(config=base), grid=grid, num_cells=len(cells))
+
+
+def _runs_read(config: dict[str, Any]) -> dict[str, Any]:
+  """`config` less the sections no run reads (`server`: only `experiments.serve` does),
+  so a sweep resumes across changes to them."""
+  return {key: value for key, value in config.items() if key != "server"}
 
 
 def _differences(old: Any, new: Any, prefix: str = "") -> list[str]:
@@ -266,7 +272,8 @@ def check_manifest(directory: pathlib.Path, record: dict[str, Any]) -> None:
   if not path.exists():
     return
   old = json.loads(path.read_text())
-  differences = _differences(json.loads(json.dumps(old["base"])),
+  old_base = dict(old["base"], config=_runs_read(old["base"].get("config", {})))
+  differences = _differences(json.loads(json.dumps(old_base)),
                              json.loads(json.dumps(record["base"])))
   if differences:
     raise ValueError(f"--workdir {directory} holds a sweep of another base config (they "
