@@ -39,3 +39,23 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
   """The run's compilation cache, for server processes' `--compilation_cache`."""
   shared = os.environ.get("JAX_COMPILATION_CACHE_DIR")
   return pathlib.Path(shared) if shared else tmp_path_factory.mktemp("jax_cache")
+
+
+def _worker(entry: str):
+  from cli_harness import Worker  # (tests/ is on the path when conftest runs)
+
+  worker = Worker(entry)
+  yield worker
+  worker.close()
+
+
+@pytest.fixture(scope="module")
+def serve_bench():
+  """`experiments.serve_bench`'s `main`, run in one worker process per test module."""
+  yield from _worker("serve_bench")
+
+
+@pytest.fixture(scope="module")
+def sweep_worker():
+  """`experiments.sweep`'s `main`, run in one worker process per test module."""
+  yield from _worker("sweep")

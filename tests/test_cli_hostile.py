@@ -25,20 +25,6 @@ from experiments import cli
 SIM = ["--config=configs/tiny.py", "--executor=sim", "--num_requests=4"]
 
 
-@pytest.fixture(scope="module")
-def serve_bench():
-  worker = Worker("serve_bench")
-  yield worker
-  worker.close()
-
-
-@pytest.fixture(scope="module")
-def sweep():
-  worker = Worker("sweep")
-  yield worker
-  worker.close()
-
-
 CONFIG_FILES = {
     "syntax": (b"def get_config(:\n", "SyntaxError: invalid syntax, line 1"),
     "import": (b"import no_such_module_here\n", "ModuleNotFoundError"),
@@ -131,22 +117,22 @@ def test_a_result_that_cannot_be_written_leaves_nothing_behind(serve_bench, tmp_
   assert sorted(path.name for path in workdir.iterdir()) == ["trace.jsonl"]
 
 
-def test_sweep_seeds_are_bounded_before_a_grid_is_planned(sweep, tmp_path):
+def test_sweep_seeds_are_bounded_before_a_grid_is_planned(sweep_worker, tmp_path):
   argv = [*SIM, "--sweep=arrival_rate=1,2", "--seeds=1000000000", f"--workdir={tmp_path}/s"]
-  rc, stderr = sweep.run(argv)
+  rc, stderr = sweep_worker.run(argv)
   assert_one_error_line(rc, stderr, argv)
   assert "--seeds must be in [1, 1,000]" in stderr
 
 
-def test_a_row_cut_short_is_dropped_on_resume_and_said(sweep, tmp_path):
+def test_a_row_cut_short_is_dropped_on_resume_and_said(sweep_worker, tmp_path):
   directory = tmp_path / "s"
   argv = [*SIM, "--sweep=arrival_rate=1,2", f"--workdir={directory}"]
-  rc, stderr = sweep.run(argv)
+  rc, stderr = sweep_worker.run(argv)
   assert rc == 0, stderr
   results = directory / "results.jsonl"
   rows = results.read_text().splitlines()
   results.write_text(rows[0] + "\n" + rows[1][: len(rows[1]) // 2])  # a crash mid-write
-  rc, stderr = sweep.run(argv)
+  rc, stderr = sweep_worker.run(argv)
   assert rc == 0 and "results.jsonl:2 is a row cut short" in stderr, stderr
   assert [json.loads(line)["cell_id"] for line in results.read_text().splitlines()] == [
       json.loads(line)["cell_id"] for line in rows]

@@ -18,13 +18,6 @@ SIM = ["--config=configs/tiny.py", "--executor=sim", "--num_requests=4"]
 
 
 @pytest.fixture(scope="module")
-def serve_bench():
-  worker = Worker("serve_bench")
-  yield worker
-  worker.close()
-
-
-@pytest.fixture(scope="module")
 def generate(tmp_path_factory):
   worker = Worker("generate", cache_dir=str(tmp_path_factory.mktemp("jax_cache")))
   yield worker

@@ -11,7 +11,7 @@ import threading
 
 import ml_collections
 import pytest
-from cli_harness import ROOT, Worker, assert_one_error_line
+from cli_harness import ROOT, assert_one_error_line
 
 from experiments import serve_bench, sweep
 
@@ -19,13 +19,6 @@ from experiments import serve_bench, sweep
 BASE = ["--executor=sim", "--config=configs/llama_13b.py", "--hardware=a100_80gb",
         "--num_requests=24", "--prompt_len=mix:0.2:1500:100", "--output_len=uniform:8:48",
         "--seed=3"]
-
-
-@pytest.fixture(scope="module")
-def sweep_worker():
-  worker = Worker("sweep")
-  yield worker
-  worker.close()
 
 
 def rows_of(directory) -> list[dict]:
