@@ -51,7 +51,7 @@ import dataclasses
 import json
 import math
 import pathlib
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from typing import Any
 
 import numpy as np
@@ -229,7 +229,7 @@ Where = tuple[str, str, str]  # (mix, arrivals, load), as the table names them
 
 def cells(config: Any, scale: Scale, measured: dict[str, Any],
           chosen: dict[tuple[str, str, str, str], list[int]],
-          table: dict[str, Any] | None = None) -> list[sweep.Cell]:
+          table: dict[str, Any] | None = None, done: Set[str] = frozenset()) -> list[sweep.Cell]:
   """The runs of every (mix, arrivals, load, line) at its `chosen` ladder positions;
   `kv+wait` at the KV line's best watermark there (in `table`)."""
   ladder = ladders(measured)
@@ -246,7 +246,7 @@ def cells(config: Any, scale: Scale, measured: dict[str, Any],
       grid.append({**LINE_KEYS, **setting, "prompt_len": MIXES[mix],
                    "arrival_process": ARRIVALS[arrival], "arrival_rate": f"{rate:.4g}",
                    "slo_ttft": slos["slo_ttft_s"], "slo_tpot": slos["slo_tpot_s"]})
-  return sweep.plan_cells(config, grid, range(scale.seeds))
+  return sweep.plan_cells(config, grid, range(scale.seeds), done)
 
 
 def _knob_positions(measured: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -404,8 +404,8 @@ def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
             for line, ladder in ladders(measured).items() if line != "kv+wait"}
   table: dict[str, Any] | None = None
   while True:
-    rows = sweep.run_sweep(config, cells(config, scale, measured, chosen, table),
-                           directory / "runs", show_progress=show_progress)
+    planned = cells(config, scale, measured, chosen, table, sweep.done_ids(directory / "runs"))
+    rows = sweep.run_sweep(config, planned, directory / "runs", show_progress=show_progress)
     table = analyze(rows, measured)
     if scale.extend and extensions(table, measured, chosen):
       continue

@@ -43,7 +43,7 @@ import json
 import multiprocessing
 import pathlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from typing import Any
 
 import ml_collections
@@ -209,11 +209,13 @@ def config_path(key: str) -> str:
 
 
 def plan_cells(config: ml_collections.ConfigDict, combinations: Sequence[dict[str, Any]],
-               seeds: Sequence[int]) -> list[Cell]:
+               seeds: Sequence[int], done: Set[str] = frozenset()) -> list[Cell]:
   """A cell per combination (key -> value: a serve_bench flag or a config path) and
   seed (`bench.seed`), each checked as its run would check it: a cell no run could take
   raises `ValueError` naming the cell, before anything runs. Studies whose grid is not
-  a product (prefill-first has no chunk size) list their combinations here."""
+  a product (prefill-first has no chunk size) list their combinations here. A cell whose
+  id is in `done` (`done_ids`: it ran) is not checked again: a resumed study of
+  thousands of cells would draw each one's workload for nothing."""
   if not seeds:
     raise ValueError("--seeds must be >= 1")
   cells = []
@@ -228,6 +230,9 @@ def plan_cells(config: ml_collections.ConfigDict, combinations: Sequence[dict[st
         raise ValueError(f"no config key {key!r} (no {error.args[0]!r})") from None
       node[name] = value
     cell = Cell(values, cell_config)
+    if cell.cell_id in done:
+      cells.append(cell)
+      continue
     try:  # what run_bench would refuse, refused now (on a copy, as run_bench takes one)
       serve_bench.prepare(ml_collections.ConfigDict(cell_config.to_dict()))
     except ValueError as error:
@@ -298,6 +303,11 @@ def read_rows(directory: pathlib.Path) -> list[dict[str, Any]]:
             "it); dropped, and its cell runs again", file=sys.stderr, flush=True)
       path.write_text("".join(json.dumps(row) + "\n" for row in rows))
   return rows
+
+
+def done_ids(directory: pathlib.Path) -> set[str]:
+  """The ids of the cells whose rows `directory` holds."""
+  return {row["cell_id"] for row in read_rows(directory)}
 
 
 def tidy_table(rows: Sequence[dict[str, Any]]) -> str:
