@@ -186,7 +186,7 @@ def ladders(measured: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
       "tokens": [{"scheduler.max_inflight_tokens": int(f * pool)}
                  for f in (0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0)],
       "kv": [{"scheduler.admission": "watermark", "scheduler.watermark": w}
-             for w in (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)],
+             for w in (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)],
       "wait": [{"scheduler.max_forecast_ttft_s": wait} for wait in waits],
       "slowdown": [{"scheduler.max_ttft_slowdown": s}
                    for s in (1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)],
@@ -473,7 +473,8 @@ def figures(record: dict[str, Any]):
       ax.set_xticks(range(len(lines)), lines, rotation=45, ha="right", fontsize=7)
       ax.set_ylabel(label, fontsize=8)
       ax.set_title(f"{mix}, {arrival}, {load}", fontsize=8)
-      if slo:
+      if slo:  # latencies span orders of magnitude (no line: minutes): a log axis
+        ax.set_yscale("log")
         unit = "ms" if scale != 1.0 else "s"
         plots.threshold(ax, scale * measured[mix][slo],
                         f"SLO {scale * measured[mix][slo]:.3g} {unit}")

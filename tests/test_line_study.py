@@ -124,7 +124,7 @@ def test_the_best_setting_is_bracketed_only_inside_a_sweep_of_three_or_more():
 
 
 def test_a_sweep_extends_along_its_ladder_until_its_optimum_is_bracketed():
-  kv = [0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]  # the KV line's ladder
+  kv = [0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]  # the KV ladder
   assert [s["scheduler.watermark"] for s in line_study.ladders(MEASURED)["kv"]] == kv
 
   def table(goodput) -> dict:
@@ -136,14 +136,14 @@ def test_a_sweep_extends_along_its_ladder_until_its_optimum_is_bracketed():
 
   key = ("sharegpt", "steady", "5x", "kv")
   chosen = {key: line_study.first_knobs(line_study.SCALES["full"], kv)}
-  assert [kv[i] for i in chosen[key]] == [0.1, 0.15, 0.2, 0.3, 0.4]
-  peak = lambda w: -abs(w - 0.6)  # the optimum lies past the first sweep
+  assert [kv[i] for i in chosen[key]] == [0.15, 0.2, 0.3, 0.4, 0.5]
+  peak = lambda w: -abs(w - 0.7)  # the optimum lies past the first sweep
   rounds = 0
   while line_study.extensions(table(peak), MEASURED, chosen):
     rounds += 1
   entry = table(peak)["sharegpt"]["steady"]["5x"]["kv"]
-  assert rounds == 3 and entry["best_knob"] == "0.6" and not entry["best_at_edge"]
+  assert rounds == 3 and entry["best_knob"] == "0.7" and not entry["best_at_edge"]
   # Rising to the ladder's end: nothing left to add, and the optimum is not bracketed.
-  chosen = {key: [8, 9, 10]}
+  chosen = {key: [10, 11, 12]}
   assert line_study.extensions(table(lambda w: w), MEASURED, chosen) == 0
   assert table(lambda w: w)["sharegpt"]["steady"]["5x"]["kv"]["best_at_edge"]
