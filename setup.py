@@ -228,7 +228,7 @@ def _native_extensions() -> list[setuptools.Extension]:
 
 SERVE = [
     "fastapi>=0.110",
-    "uvicorn>=0.30",
+    "uvicorn>=0.54,<0.56",  # kvpage.serve.server subclasses its httptools protocol
     "httptools>=0.6",  # uvicorn's fast HTTP parser
     "prometheus_client>=0.20",
     "transformers>=4.45",
