@@ -32,6 +32,7 @@ import tempfile
 from absl import app, flags
 
 from kvpage import premises
+from kvpage.sim import workload as workload_lib
 
 _CONFIG = flags.DEFINE_string("config", "configs/llama_13b.py:bf16", "The model (file).")
 _HARDWARE = flags.DEFINE_string("hardware", "h200_141gb", "The simulated device.")
@@ -75,9 +76,12 @@ def main(argv: list[str]) -> None:
        f"--compilation_cache={workdir / 'xla_cache'}", *workload)
   real = _read(real_dir)
   num_pages = real["summary"]["pages_total"] + 1  # The pool's reserved null page.
+  # The trace holds the workload: the flags it replaces are not given again.
+  rest = [flag for flag in workload
+          if flag.lstrip("-").split("=")[0] not in workload_lib.TRACE_REPLACES]
   _run(f"--config={config}", "--executor=sim", f"--hardware={hardware}",
        f"--trace={real_dir / 'trace.jsonl'}", f"--num_pages={num_pages}",
-       f"--workdir={sim_dir}", *workload)
+       f"--workdir={sim_dir}", *rest)
   sim = _read(sim_dir)
 
   def figures(run: dict) -> dict[str, float]:

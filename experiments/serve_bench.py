@@ -183,18 +183,12 @@ def check_shortcuts(values: dict[str, object]) -> None:
     raise ValueError(f"--num_host_pages must be >= 0, got {host_pages}")
 
 
-# What a trace replaces (it holds every request's arrival, prompt and output), and what
-# a lengths CSV replaces (the lengths; arrivals are still drawn).
-TRACE_REPLACES = ("num_requests", "arrival_rate", "arrival_process", "prompt_len", "output_len",
-                  "priority", "shared_prefix", "conversation", "lengths_csv")
-LENGTHS_REPLACE = ("prompt_len", "output_len", "shared_prefix", "conversation")
-
-
 def check_workload_source(given: set[str]) -> None:
   """Refuses synthetic-workload settings given beside the trace or the lengths CSV that
   replaces them (as flags or `--config.bench.*` overrides): the run would ignore them
   while its record named them."""
-  for source, replaced in (("trace", TRACE_REPLACES), ("lengths_csv", LENGTHS_REPLACE)):
+  for source, replaced in (("trace", workload.TRACE_REPLACES),
+                           ("lengths_csv", workload.LENGTHS_REPLACE)):
     clash = sorted(given & set(replaced)) if source in given else []
     if clash:
       raise ValueError(f"--{source} replaces {', '.join('--' + name for name in clash)}: "

@@ -40,6 +40,11 @@ Sampler = Callable[[np.random.Generator, int], np.ndarray]
 # time stands still), or priorities would overflow the int64 arrays they pass through.
 MAX_LENGTH = 2**24  # tokens in one prompt or output
 MAX_REQUESTS = 10**6
+# The synthetic settings (serve_bench's flags) a trace replaces: it holds every request's
+# arrival, prompt and output; and those a lengths CSV replaces (arrivals are still drawn).
+TRACE_REPLACES = ("num_requests", "arrival_rate", "arrival_process", "prompt_len", "output_len",
+                  "priority", "shared_prefix", "conversation", "lengths_csv")
+LENGTHS_REPLACE = ("prompt_len", "output_len", "shared_prefix", "conversation")
 MAX_INPUT_BYTES = 2**30  # a trace, lengths CSV or profile read whole: at most 1 GiB
 
 
