@@ -26,7 +26,9 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import pathlib
+import stat
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -46,6 +48,10 @@ TRACE_REPLACES = ("num_requests", "arrival_rate", "arrival_process", "prompt_len
                   "priority", "shared_prefix", "conversation", "lengths_csv")
 LENGTHS_REPLACE = ("prompt_len", "output_len", "shared_prefix", "conversation")
 MAX_INPUT_BYTES = 2**30  # a trace, lengths CSV or profile read whole: at most 1 GiB
+MAX_TRACE_TOKENS = 2**25  # prompt tokens in one whole trace
+MAX_ARRIVAL_S = 1e8  # about three years
+MAX_PRIORITY = 2**31 - 1  # |priority|
+GAMMA_CV_RANGE = (0.01, 100.0)
 
 
 def check_input_file(path: str | pathlib.Path, what: str,
@@ -54,18 +60,14 @@ def check_input_file(path: str | pathlib.Path, what: str,
   anything reads it: `/dev/zero`, a pipe or a runaway file would be read until memory
   is gone."""
   try:
-    stat = pathlib.Path(path).stat()
+    status = os.stat(path)
   except OSError as error:
     raise ValueError(f"{what} {path}: cannot read it ({error.strerror or error})") from None
-  if not pathlib.Path(path).is_file():
+  if not stat.S_ISREG(status.st_mode):
     raise ValueError(f"{what} {path}: not a regular file")
-  if stat.st_size > max_bytes:
-    raise ValueError(f"{what} {path}: {stat.st_size:,} bytes, more than the "
+  if status.st_size > max_bytes:
+    raise ValueError(f"{what} {path}: {status.st_size:,} bytes, more than the "
                      f"{max_bytes:,} it may hold")
-MAX_TRACE_TOKENS = 2**25  # prompt tokens in one whole trace
-MAX_ARRIVAL_S = 1e8  # about three years
-MAX_PRIORITY = 2**31 - 1  # |priority|
-GAMMA_CV_RANGE = (0.01, 100.0)
 
 
 def _is_int(value: object) -> bool:
