@@ -352,12 +352,13 @@ class EngineLoop:
     if output.finished:
       reason = output.finish_reason or "aborted"
       # A passed deadline is an error for the client, not one of OpenAI's reasons.
-      if reason == "deadline":
+      hint = None
+      if reason == "deadline":  # its 429 carries when a retry would meet the deadline
         hint = self.engine.scheduler.deadline_retry_after(tracked.request)
-        return self._end(tracked, output.new_token_ids, reason, text, deliver=False,
-                         retry_after=hint)
-      return self._end(tracked, output.new_token_ids, FINISH_REASONS.get(reason, "abort"),
-                       text, deliver=False)
+      else:
+        reason = FINISH_REASONS.get(reason, "abort")
+      return self._end(tracked, output.new_token_ids, reason, text, deliver=False,
+                       retry_after=hint)
     if not text and not output.new_token_ids:
       return None
     return Delta(text, tuple(output.new_token_ids),

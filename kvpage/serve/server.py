@@ -217,8 +217,12 @@ class GuardedProtocol(HttpToolsProtocol):
     if self._lingering or not self.transport.can_write_eof():
       self.transport.close()
       return
+    try:
+      self.transport.write_eof()
+    except OSError:  # the client is gone already (reset): nothing to linger for
+      self.transport.close()
+      return
     self._lingering = True
-    self.transport.write_eof()
     self.loop.call_later(LINGER_S, self.transport.close)
 
 
