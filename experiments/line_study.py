@@ -41,8 +41,12 @@ line).
 Reported per cell (mix, arrivals, load, line at its best setting over its knob, by
 mean goodput over seeds): goodput under both SLOs (rejected requests count against it,
 as in arXiv 2410.14257), preemptions and recomputed prefill tokens, running requests
-that failed, TTFT and TPOT p99, rejections by status. `claims` states which line wins
-where and by how much; a claim the grid cannot decide says so (`undecided: why`).
+that failed, TTFT and TPOT p99, rejections by status. Goodput counts requests, so a line
+that refuses one 8,000-token prompt to serve many 50-token ones scores well: each cell
+also weighs it by prompt tokens (the share of offered prompt tokens served within both
+SLOs, with each line's best knob for that measure) and splits it by prompt length.
+`claims` states which line wins where and by how much, in requests and in tokens (within
+`TIE` is a tie); a claim the grid cannot decide says so (`undecided: why`).
 Everything goes to `--workdir`, resumably: the sweep's rows, `study.json`, and the
 figures `lines_at_5x.png` and `goodput_by_load.png`.
 """
@@ -59,6 +63,7 @@ from absl import flags
 
 from experiments import claims, cli, sim_setups, sweep
 from experiments.sim_setups import SimSetup
+from kvpage import metrics
 
 flags.FLAGS.set_default("workdir", "workdir/line_study")
 
@@ -72,9 +77,13 @@ UNLOADED = 0.05  # the unloaded run's load, x the throughput with everything at 
 SLO_FACTOR = 3.0  # each SLO is this many times the unloaded run's figure
 ATTAINMENT = 0.9  # sustainable: this share of requests within both SLOs, with no line
 SEARCH_REACH = 8.0  # the capacity search stops at this many times the throughput
-FIGURES = ("goodput_requests_per_s", "goodput_fraction", "num_preemptions",
-           "recomputed_tokens", "num_aborted", "ttft_p99_s", "tpot_p99_s", "rejected_400",
-           "rejected_429", "rejected_503", "num_finished")
+FIGURES = ("goodput_requests_per_s", "goodput_fraction", "goodput_token_fraction",
+           "num_preemptions", "recomputed_tokens", "num_aborted", "ttft_p99_s", "tpot_p99_s",
+           "rejected_400", "rejected_429", "rejected_503", "num_finished")
+# Each prompt-length class's share of requests within both SLOs: (class, metric name).
+CLASSES = tuple((name, f"goodput_fraction_prompt_{key}")
+                for name, key in metrics.PROMPT_CLASS_KEYS.items())
+TIE = 0.05  # goodputs within this share of each other are not told apart by a claim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +267,9 @@ def _knob_positions(measured: dict[str, Any]) -> dict[str, dict[str, int]]:
 
 def analyze(rows: Sequence[dict], measured: dict[str, Any]) -> dict[str, Any]:
   """Per (mix, arrivals, load, line): every knob value's means over seeds (in ladder
-  order), the best value (most goodput) and its figures, each seed's goodput at it, and
-  whether that optimum is bracketed inside the values swept."""
+  order; with each prompt-length class's share within the SLOs), the best value (most
+  goodput) and its figures, each seed's goodput at it, whether that optimum is
+  bracketed inside the values swept, and the best value by token-weighted goodput."""
   mixes = {spec: name for name, spec in MIXES.items()}
   arrivals = {spec: name for name, spec in ARRIVALS.items()}
   positions = _knob_positions(measured)
@@ -274,7 +284,12 @@ def analyze(rows: Sequence[dict], measured: dict[str, Any]) -> dict[str, Any]:
   table: dict[str, Any] = {}
   for (mix, arrival, load, line, knob), group in sorted(
       groups.items(), key=lambda item: positions[item[0][3]].get(item[0][4], 0)):
-    means = {m: float(np.mean([r["metrics"].get(m) or 0.0 for r in group])) for m in FIGURES}
+    means: dict[str, Any] = {
+        m: float(np.mean([r["metrics"].get(m) or 0.0 for r in group])) for m in FIGURES}
+    for name, metric in CLASSES:  # (a class the mix never draws has none)
+      shares = [r["metrics"].get(metric) for r in group]
+      if all(share is not None for share in shares):
+        means.setdefault("by_prompt_length", {})[name] = float(np.mean(shares))
     means["goodput_by_seed"] = [r["metrics"]["goodput_requests_per_s"] for r in group]
     entry = table.setdefault(mix, {}).setdefault(arrival, {}).setdefault(load, {}).setdefault(
         line, {"by_knob": {}})
@@ -287,6 +302,11 @@ def analyze(rows: Sequence[dict], measured: dict[str, Any]) -> dict[str, Any]:
           best = max(knobs, key=lambda k: entry["by_knob"][k]["goodput_requests_per_s"])
           entry["best_knob"] = best
           entry["best"] = entry["by_knob"][best]
+          # Tuned for the token-weighted goodput instead (a line may be set to serve more
+          # requests or more tokens).
+          by_tokens = max(knobs, key=lambda k: entry["by_knob"][k]["goodput_token_fraction"])
+          entry["best_tokens_knob"] = by_tokens
+          entry["best_tokens"] = entry["by_knob"][by_tokens]
           at = positions[line]
           entry["best_at_edge"] = not claims.bracketed([at.get(k, 0) for k in knobs],
                                                        at.get(best, 0))
@@ -295,18 +315,19 @@ def analyze(rows: Sequence[dict], measured: dict[str, Any]) -> dict[str, Any]:
 
 def extensions(table: dict[str, Any], measured: dict[str, Any],
                chosen: dict[tuple[str, str, str, str], list[int]]) -> int:
-  """Adds to `chosen` the next ladder position past each optimum found at the edge of
-  its sweep; returns how many it added (0: every optimum is bracketed or at a ladder's
-  end)."""
+  """Adds to `chosen` the next ladder position past each optimum (by goodput, and by
+  token-weighted goodput) found at the edge of its sweep; returns how many it added (0:
+  every optimum is bracketed or at a ladder's end)."""
   positions, ladder, added = _knob_positions(measured), ladders(measured), 0
   for key, tried in chosen.items():
     mix, arrival, load, line = key
     entry = table[mix][arrival][load][line]
-    best = positions[line][entry["best_knob"]]
-    step = -1 if best == min(tried) else 1 if best == max(tried) else 0
-    if step and 0 <= best + step < len(ladder[line]) and best + step not in tried:
-      tried.append(best + step)
-      added += 1
+    for knob in dict.fromkeys((entry["best_knob"], entry["best_tokens_knob"])):
+      best = positions[line][knob]
+      step = -1 if best == min(tried) else 1 if best == max(tried) else 0
+      if step and 0 <= best + step < len(ladder[line]) and best + step not in tried:
+        tried.append(best + step)
+        added += 1
   return added
 
 
@@ -335,24 +356,44 @@ def claim_kv_wins(table: dict[str, Any], mix: str, arrival: str, load: str) -> d
   goodput = {line: entry["best"]["goodput_requests_per_s"] for line, entry in by_line.items()}
   top = max(goodput.values())
   kv = max(goodput.get("kv", 0.0), goodput.get("kv+wait", 0.0))
-  holds = None if top == 0 else kv >= 0.95 * top
+  holds = None if top == 0 else kv >= (1 - TIE) * top
   ranked = sorted(goodput, key=goodput.get, reverse=True)  # type: ignore[arg-type]
   return dict(claim=f"{mix}, {arrival}, {load}: the KV line (alone or with the wait line) "
-                    "serves within 5% of the best line's goodput",
+                    f"serves within {TIE:.0%} of the best line's goodput",
               verdict=_verdict(holds, "no line serves anything within the SLOs"),
               evidence=", ".join(f"{line} {goodput[line]:.3f}" for line in ranked) + " req/s")
 
 
+def claim_kv_wins_tokens(table: dict[str, Any], mix: str, arrival: str,
+                         load: str) -> dict[str, Any]:
+  """Weighted by prompt tokens, each line tuned for that, the KV line is still the best
+  line within `TIE`: it does not win by refusing the long prompts."""
+  by_line = table[mix][arrival][load]
+  share = {line: entry["best_tokens"]["goodput_token_fraction"]
+           for line, entry in by_line.items()}
+  top = max(share.values())
+  kv = max(share.get("kv", 0.0), share.get("kv+wait", 0.0))
+  holds = None if top == 0 else kv >= (1 - TIE) * top
+  ranked = sorted(share, key=share.get, reverse=True)  # type: ignore[arg-type]
+  return dict(claim=f"{mix}, {arrival}, {load}: weighted by prompt tokens (each line tuned "
+                    "for that), the KV line (alone or with the wait line) serves within "
+                    f"{TIE:.0%} of the best line",
+              verdict=_verdict(holds, "no line serves any prompt token within the SLOs"),
+              evidence=", ".join(f"{line} {share[line]:.1%}" for line in ranked)
+              + " of offered prompt tokens within both SLOs")
+
+
 def claim_combination_needed(table: dict[str, Any], mix: str, arrival: str,
                              load: str) -> dict[str, Any]:
-  """KV + wait serves more goodput than either line alone."""
+  """KV + wait serves more goodput than either line alone, by more than `TIE`."""
   by_line = table[mix][arrival][load]
   both, kv, wait = (by_line[line]["best"]["goodput_requests_per_s"]
                     for line in ("kv+wait", "kv", "wait"))
   at_edge = [line for line in ("kv+wait", "kv", "wait") if by_line[line]["best_at_edge"]]
-  holds = None if at_edge else both > max(kv, wait)
+  holds = None if at_edge else both > (1 + TIE) * max(kv, wait)
   return dict(claim=f"{mix}, {arrival}, {load}: no single line suffices: KV + wait serves "
-                    "more goodput than the KV line or the wait line alone",
+                    f"more than {TIE:.0%} more goodput than the KV line or the wait line "
+                    "alone",
               verdict=_verdict(holds, f"the optimum of {', '.join(at_edge)} is not bracketed "
                                       "(at the edge of its sweep, or fewer than three values)"),
               evidence=f"kv+wait {both:.3f}, kv {kv:.3f}, wait {wait:.3f} req/s")
@@ -388,6 +429,7 @@ def claims_of(table: dict[str, Any]) -> list[dict[str, Any]]:
           continue  # the claims are about overload
         stated.append(claim_line_beats_none(table, mix, arrival, load))
         stated.append(claim_kv_wins(table, mix, arrival, load))
+        stated.append(claim_kv_wins_tokens(table, mix, arrival, load))
         stated.append(claim_combination_needed(table, mix, arrival, load))
   return stated
 
@@ -425,10 +467,16 @@ def run(scale: Scale, directory: pathlib.Path, *, show_progress: bool = True,
                                      "until it breaks, then bisect to "
                                      f"{scale.tolerance:.0%})",
                          knobs=ladders(measured),
+                         goodput="requests within both SLOs (rejected requests count "
+                                 "against it); token-weighted: the share of offered prompt "
+                                 "tokens in requests within both SLOs, per prompt-length "
+                                 "class too",
+                         tie=f"goodputs within {TIE:.0%} of each other are a tie for the "
+                             "claims",
                          combined="kv+wait: the watermark is the KV line's best at the "
                                   "same traffic and load, then the wait is swept",
                          extend="each line's sweep extends along its ladder until its "
-                                "optimum is bracketed" if scale.extend else
+                                "optima (requests and tokens) are bracketed" if scale.extend else
                                 "each line's sweep is its ladder's middle values (not "
                                 "extended: an optimum at an edge is undecided)"),
               measured=measured, table=table, robustness=robust,
@@ -455,12 +503,14 @@ def figures(record: dict[str, Any]):
             ("num_preemptions", "preemptions of running requests", None),
             ("ttft_p99_s", "TTFT p99 (s)", "slo_ttft_s"),
             ("tpot_p99_s", "TPOT p99 (ms)", "slo_tpot_s"))
-  bars, axes = plt.subplots(len(mixes), len(panels), figsize=(4.2 * len(panels),
-                                                              3.2 * len(mixes)),
+  bars, axes = plt.subplots(len(mixes), len(panels) + 1, figsize=(4.2 * (len(panels) + 1),
+                                                                  3.2 * len(mixes)),
                             squeeze=False, constrained_layout=True)
   for row, mix in enumerate(mixes):
     by_line = table[mix][arrival][load]
     lines = [line for line in LINES if line in by_line]
+    _by_prompt_length(axes[row, -1], by_line, lines)
+    axes[row, -1].set_title(f"{mix}, {arrival}, {load}", fontsize=8)
     for column, (metric, label, slo) in enumerate(panels):
       ax = axes[row, column]
       scale = 1e3 if metric == "tpot_p99_s" else 1.0
@@ -504,6 +554,31 @@ def figures(record: dict[str, Any]):
   return bars, curves
 
 
+def _by_prompt_length(ax: Any, by_line: dict[str, Any], lines: Sequence[str]) -> None:
+  """Grouped bars: per line at its best setting, each prompt-length class's share within
+  both SLOs, and the share of all offered prompt tokens (hatched)."""
+  names = [name for name, _ in CLASSES
+           if any(name in by_line[line]["best"].get("by_prompt_length", {}) for line in lines)]
+  groups = [*names, "prompt tokens"]
+  width = 0.8 / len(groups)
+  shades = [0.35 + 0.5 * i / max(1, len(names) - 1) for i in range(len(names))]
+  for i, group in enumerate(groups):
+    values = [100 * (by_line[line]["best"]["goodput_token_fraction"] if group == "prompt tokens"
+                     else by_line[line]["best"].get("by_prompt_length", {}).get(group, 0.0))
+              for line in lines]
+    colour = "white" if group == "prompt tokens" else str(shades[i])
+    ax.bar(np.arange(len(lines)) + (i - (len(groups) - 1) / 2) * width, values, width,
+           color=colour, edgecolor="black", linewidth=0.5,
+           hatch="//" if group == "prompt tokens" else None,
+           label=group if group == "prompt tokens" else f"prompt {group} tokens")
+  ax.set_xticks(range(len(lines)), lines, rotation=45, ha="right", fontsize=7)
+  ax.set_ylabel("within both SLOs (% of offered)", fontsize=8)
+  ax.set_ylim(0, 100 + 12 * math.ceil(len(groups) / 2))  # the legend above the 100% line
+  ax.set_yticks(range(0, 101, 20))
+  ax.legend(fontsize=6, loc="upper center", ncol=2)
+  ax.grid(axis="y", alpha=0.3)
+
+
 def format_report(record: dict[str, Any]) -> str:
   lines = [f"line study on {record['setup']}: {record['rules']['slo']}"]
   for mix, m in record["measured"].items():
@@ -515,9 +590,13 @@ def format_report(record: dict[str, Any]) -> str:
         lines.append(f"  {mix}, {arrival}, {load}:")
         for line, entry in by_line.items():
           f = entry["best"]
+          classes = ", ".join(f"{name} {share:.0%}"
+                              for name, share in f.get("by_prompt_length", {}).items())
           lines.append(
               f"    {line:<12} best {entry['best_knob']:<10} good "
-              f"{f['goodput_requests_per_s']:.3f} req/s ({f['goodput_fraction']:.0%}), "
+              f"{f['goodput_requests_per_s']:.3f} req/s ({f['goodput_fraction']:.0%}; "
+              f"{f['goodput_token_fraction']:.0%} of prompt tokens; by prompt length "
+              f"{classes}), "
               f"preempted {f['num_preemptions']:.0f}, failed {f['num_aborted']:.0f}, 429 "
               f"{f['rejected_429']:.0f}, 503 {f['rejected_503']:.0f}, TTFT p99 "
               f"{f['ttft_p99_s']:.2f} s, TPOT p99 {1e3 * f['tpot_p99_s']:.0f} ms")

@@ -50,6 +50,7 @@ import ml_collections
 from absl import flags
 
 from experiments import cli, progress, serve_bench
+from kvpage import metrics
 
 _SWEEP = flags.DEFINE_multi_string("sweep", [], "KEY=V1,V2,... (repeat for a grid).")
 _SEEDS = flags.DEFINE_integer("seeds", 1, "Seeds per cell: --seed, --seed + 1, ...")
@@ -88,6 +89,11 @@ METRICS: dict[str, Callable[[dict], Any]] = {
     "prompt_tokens_per_s": lambda s: s["prompt_tokens_per_s"],
     "goodput_requests_per_s": lambda s: s["goodput_requests_per_s"],
     "goodput_fraction": lambda s: s["goodput_fraction"],
+    # Weighted by prompt tokens, and per prompt-length class; absent in older summaries.
+    "goodput_token_fraction": lambda s: s.get("goodput_token_fraction"),
+    **{f"goodput_fraction_prompt_{key}": (
+        lambda s, name=name: (s.get("by_prompt_length") or {}).get(name, {}).get(
+            "good_fraction")) for name, key in metrics.PROMPT_CLASS_KEYS.items()},
     "prefill_tokens_computed": lambda s: s["prefill_tokens_computed"],
     "recomputed_tokens": lambda s: s["recomputed_tokens"],
     "prefix_hit_rate": lambda s: s.get("prefix_cache", {}).get("hit_rate"),

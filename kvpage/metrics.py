@@ -7,7 +7,9 @@ scheduled), time to first token (TTFT), time per output token after the first
 swapped requests, KV usage, prompt and generated tokens batched, preemptions by mode
 and rejections by status. The summary gives p50/p90/p99, prompt and generated
 tokens/s, the time-weighted running batch size (vLLM, SOSP'23) and goodput under an
-optional TTFT/TPOT SLO (DistServe, OSDI'24).
+optional TTFT/TPOT SLO (DistServe, OSDI'24), counted in requests and weighted by prompt
+tokens, overall and per prompt-length class: a line that refuses the long prompts to
+serve many short ones scores well in requests and badly in tokens.
 
 `MetricsRecorder.on_step` plugs into `Engine(on_step=...)`; it reads the scheduler's
 counters and the clock, never the device. Written as JSONL time series plus one
@@ -51,6 +53,28 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
   p50, p90, p99 = np.percentile(array, [50, 90, 99])
   return dict(p50=float(p50), p90=float(p90), p99=float(p99), mean=float(array.mean()),
               max=float(array.max()))
+
+
+# The prompt-length classes of the summary's `by_prompt_length`: upper bounds (tokens).
+PROMPT_CLASSES = (256, 1024, 4096, None)
+
+
+def prompt_class(tokens: int) -> str:
+  """The name of the prompt-length class `tokens` falls in ("<=256", ..., ">4096")."""
+  low = 0
+  for high in PROMPT_CLASSES:
+    if high is None:
+      return f">{low}"
+    if tokens <= high:
+      return f"<={high}" if low == 0 else f"{low + 1}-{high}"
+    low = high
+  raise AssertionError("the last class has no upper bound")
+
+
+# Each class's name -> a name fit for a column ("<=256" -> "upto256", ">4096" -> "over4096").
+PROMPT_CLASS_KEYS = {
+    name: name.replace("<=", "upto").replace(">", "over").replace("-", "to")
+    for name in (prompt_class(1 + low) for low in (0, *PROMPT_CLASSES[:-1]))}
 
 
 def running_batch(steps: Sequence[dict[str, Any]]) -> dict[str, float | None]:
@@ -274,6 +298,7 @@ class MetricsRecorder:
     good = [r for r in done if (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)
             and (slo_tpot_s is None or r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s)]
     rejections = {str(k): v for k, v in stats["rejections"].items()}
+    offered_tokens = sum(r["prompt_tokens"] for r in rows)
     computed = sum(s["prompt_tokens"] for s in self.steps)
     hits = stats.get("prefix_hit_tokens", 0)
     return dict(
@@ -302,6 +327,9 @@ class MetricsRecorder:
         slo=dict(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s),
         goodput_requests_per_s=len(good) / duration,
         goodput_fraction=len(good) / len(rows) if rows else 0.0,
+        goodput_token_fraction=(sum(r["prompt_tokens"] for r in good) / offered_tokens
+                                if offered_tokens else 0.0),
+        by_prompt_length=by_prompt_length(rows, good),
         failed_requests=failed_requests(rows), premises=premises)
 
   def files(self, summary: dict[str, Any]) -> dict[str, str]:
@@ -316,6 +344,25 @@ class MetricsRecorder:
     workdir.mkdir(parents=True, exist_ok=True)
     for name, text in self.files(summary).items():
       (workdir / name).write_text(text)
+
+
+def by_prompt_length(rows: Sequence[dict[str, Any]],
+                     good: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+  """Per prompt-length class (`PROMPT_CLASSES`) with requests: how many were offered,
+  finished, rejected and within both SLOs (`good`), and that share of the offered."""
+  out: dict[str, dict[str, Any]] = {}
+  good_ids = {r["request_id"] for r in good}
+  for row in sorted(rows, key=lambda r: r["prompt_tokens"]):
+    entry = out.setdefault(prompt_class(row["prompt_tokens"]),
+                           dict(offered=0, finished=0, rejected=0, good=0))
+    entry["offered"] += 1
+    entry["finished"] += row["status"] == RequestStatus.FINISHED.value and row[
+        "finish_reason"] in ("length", "stop")
+    entry["rejected"] += row["status"] == RequestStatus.REJECTED.value
+    entry["good"] += row["request_id"] in good_ids
+  for entry in out.values():
+    entry["good_fraction"] = entry["good"] / entry["offered"]
+  return out
 
 
 def _prefix_summary(stats: dict[str, Any]) -> dict[str, Any]:

@@ -10,8 +10,9 @@ from experiments import line_study
 
 
 def entry(goodput: float, knob: str = "1", at_edge: bool = False) -> dict:
-  return {"best_knob": knob, "best": {"goodput_requests_per_s": goodput},
-          "best_at_edge": at_edge, "by_knob": {knob: {"goodput_requests_per_s": goodput}}}
+  figures = {"goodput_requests_per_s": goodput, "goodput_token_fraction": goodput / 10}
+  return {"best_knob": knob, "best": figures, "best_tokens_knob": knob, "best_tokens": figures,
+          "best_at_edge": at_edge, "by_knob": {knob: figures}}
 
 
 def table(**goodputs: float) -> dict:
@@ -42,9 +43,24 @@ def test_the_kv_line_wins_holds_fails_and_is_undecided():
   assert verdict(line_study.claim_kv_wins, **zeros).startswith("undecided: ")
 
 
+def test_the_kv_line_wins_in_tokens_holds_fails_and_is_undecided():
+  # Weighted by prompt tokens, with each line's best knob for that measure.
+  assert verdict(line_study.claim_kv_wins_tokens) == "holds"
+  assert verdict(line_study.claim_kv_wins_tokens, kv_wait=0.5, kv=0.5) == "fails"
+  assert verdict(line_study.claim_kv_wins_tokens, tokens=1.04) == "holds"  # within 5%
+  assert verdict(line_study.claim_kv_wins_tokens, tokens=1.06) == "fails"
+  zeros = dict.fromkeys(ALL, 0.0)
+  assert verdict(line_study.claim_kv_wins_tokens, **zeros).startswith("undecided: ")
+  # The token measure is read at each line's own best knob for it, not the request one.
+  tuned = table(**ALL)
+  tuned["mix"]["steady"]["5x"]["tokens"]["best_tokens"] = {"goodput_token_fraction": 0.5}
+  assert line_study.claim_kv_wins_tokens(tuned, "mix", "steady", "5x")["verdict"] == "fails"
+
+
 def test_the_combination_claim_holds_fails_and_is_undecided_at_a_sweeps_edge():
-  assert verdict(line_study.claim_combination_needed) == "holds"
+  assert verdict(line_study.claim_combination_needed) == "holds"  # 1.0 vs kv 0.9
   assert verdict(line_study.claim_combination_needed, wait=1.5) == "fails"
+  assert verdict(line_study.claim_combination_needed, kv=0.96) == "fails"  # a 4% gain: a tie
   edged = table(**ALL)
   edged["mix"]["steady"]["5x"]["kv"]["best_at_edge"] = True
   claim = line_study.claim_combination_needed(edged, "mix", "steady", "5x")
@@ -89,7 +105,12 @@ def test_a_small_run_states_its_thresholds_and_a_verdict_per_claim(tmp_path):
   for row in record["rows"]:
     assert row["cell"]["slo_ttft"] in {m["slo_ttft_s"]
                                        for m in record["measured"].values()}
-  assert len(record["claims"]) == 3 * len(record["measured"])
+  assert len(record["claims"]) == 4 * len(record["measured"])
+  # Every line's best setting carries its token-weighted goodput and, per prompt-length
+  # class the mix draws, the share within both SLOs (long/short: two classes).
+  best = record["table"]["long/short"]["steady"]["5x"]["kv"]["best"]
+  assert set(best["by_prompt_length"]) == {"<=256", ">4096"}
+  assert 0 <= best["goodput_token_fraction"] <= 1
   for claim in record["claims"]:
     assert claim["verdict"] in ("holds", "fails") or claim["verdict"].startswith("undecided: ")
   assert set(record["robustness"]["steady"]["5x"]) == set(line_study.LINES[1:])
@@ -123,19 +144,22 @@ def test_the_best_setting_is_bracketed_only_inside_a_sweep_of_three_or_more():
   assert kv({0.0: 1.0, 0.15: 2.0})["best_at_edge"]  # two values bracket nothing
 
 
-def test_a_sweep_extends_along_its_ladder_until_its_optimum_is_bracketed():
+def test_a_sweep_extends_along_its_ladder_until_its_optima_are_bracketed():
   kv = [0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]  # the KV ladder
   assert [s["scheduler.watermark"] for s in line_study.ladders(MEASURED)["kv"]] == kv
 
-  def table(goodput) -> dict:
+  def table(goodput, tokens=None) -> dict:
+    tokens = tokens or goodput  # the token-weighted goodput peaks where goodput does
     rows = [{"cell": {**line_study.LINE_KEYS, "scheduler.admission": "watermark",
                       "scheduler.watermark": kv[i], "prompt_len": "lognormal:512:3000",
                       "arrival_process": "poisson", "arrival_rate": "10"},
-             "metrics": {"goodput_requests_per_s": goodput(kv[i])}} for i in chosen[key]]
+             "metrics": {"goodput_requests_per_s": goodput(kv[i]),
+                         "goodput_token_fraction": tokens(kv[i])}} for i in chosen[key]]
     return line_study.analyze(rows, MEASURED)
 
   key = ("sharegpt", "steady", "5x", "kv")
-  chosen = {key: line_study.first_knobs(line_study.SCALES["full"], kv)}
+  first = line_study.first_knobs(line_study.SCALES["full"], kv)
+  chosen = {key: list(first)}
   assert [kv[i] for i in chosen[key]] == [0.15, 0.2, 0.3, 0.4, 0.5]
   peak = lambda w: -abs(w - 0.7)  # the optimum lies past the first sweep
   rounds = 0
@@ -143,6 +167,14 @@ def test_a_sweep_extends_along_its_ladder_until_its_optimum_is_bracketed():
     rounds += 1
   entry = table(peak)["sharegpt"]["steady"]["5x"]["kv"]
   assert rounds == 3 and entry["best_knob"] == "0.7" and not entry["best_at_edge"]
+  # The token-weighted optimum elsewhere (0.05): the sweep extends both ways.
+  chosen = {key: list(first)}
+  low = lambda w: -abs(w - 0.05)
+  while line_study.extensions(table(peak, low), MEASURED, chosen):
+    pass
+  entry = table(peak, low)["sharegpt"]["steady"]["5x"]["kv"]
+  assert entry["best_knob"] == "0.7" and entry["best_tokens_knob"] == "0.05"
+  assert sorted(kv[i] for i in chosen[key]) == kv[1:12]  # each optimum and one past it
   # Rising to the ladder's end: nothing left to add, and the optimum is not bracketed.
   chosen = {key: [10, 11, 12]}
   assert line_study.extensions(table(lambda w: w), MEASURED, chosen) == 0

@@ -201,6 +201,37 @@ def test_metrics_percentiles_and_goodput():
   assert isinstance(ml_collections.ConfigDict(summary["ttft_s"]), ml_collections.ConfigDict)
 
 
+def test_goodput_weighted_by_prompt_tokens_and_split_by_prompt_length():
+  assert [metrics.prompt_class(n) for n in (1, 256, 257, 1024, 4096, 4097)] == [
+      "<=256", "<=256", "257-1024", "257-1024", "1025-4096", ">4096"]
+  assert list(metrics.PROMPT_CLASS_KEYS.values()) == ["upto256", "257to1024", "1025to4096",
+                                                      "over4096"]
+  engine, _ = sim_13b()
+  trace = workload.synthesize(num_requests=40, arrival_rate=8.0, prompt_len="mix:0.25:3000:100",
+                              output_len="32", vocab_size=32000, seed=3)
+  _, recorder, _ = run(engine, trace)
+  rows = recorder.request_rows()
+  slo = float(np.median([r["ttft_s"] for r in rows]))  # about half the requests meet it
+  summary = recorder.summary({}, slo_ttft_s=slo)
+  good = [r for r in rows if r["ttft_s"] is not None and r["ttft_s"] <= slo]
+  assert 0 < len(good) < len(rows)
+  assert summary["goodput_token_fraction"] == pytest.approx(
+      sum(r["prompt_tokens"] for r in good) / sum(r["prompt_tokens"] for r in rows))
+  # The long prompts wait longest: weighted by tokens, fewer are within the SLO.
+  assert summary["goodput_token_fraction"] < summary["goodput_fraction"]
+  classes = summary["by_prompt_length"]
+  assert list(classes) == ["<=256", "1025-4096"]  # only the classes the mix draws
+  long = [r for r in rows if r["prompt_tokens"] == 3000]
+  assert classes["1025-4096"] == dict(
+      offered=len(long), finished=len(long), rejected=0,
+      good=sum(r in good for r in long), good_fraction=sum(r in good for r in long) / len(long))
+  assert sum(c["good"] for c in classes.values()) == len(good)
+  refused = dict(request_id="refused", prompt_tokens=8000, status="rejected",
+                 finish_reason=None)
+  assert metrics.by_prompt_length([*rows, refused], good)[">4096"] == dict(
+      offered=1, finished=0, rejected=1, good=0, good_fraction=0.0)
+
+
 def test_running_batch_weighs_each_step_by_the_time_it_lasted():
   # 2 sequences for 1 s, then 4 for 3 s: 3.5 on average, 4 for three quarters of the time.
   steps = [dict(time=1.0, num_seqs=2, num_running=4), dict(time=4.0, num_seqs=4, num_running=0)]
