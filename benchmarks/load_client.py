@@ -62,6 +62,8 @@ class LoadConfig:
   seed: int = 0
   max_retries: int = 3
   honor_retry_after: bool = True
+  include_status: bool = False  # ask for status chunks while waiting (kvpage's option)
+  max_queue_wait_s: float | None = None  # kvpage's wait deadline, sent in every body
   timeout_s: float = 600.0  # wall bound of the whole load
 
   def __post_init__(self) -> None:
@@ -130,6 +132,8 @@ class RequestRecord:
   finish_reason: str | None = None
   status_comments: int = 0  # SSE comment lines
   status_chunks: int = 0  # data chunks with no choices and a "status" key
+  # Each status chunk's (arrival, state, eta_s) (with `include_status`).
+  statuses: list[tuple[float, str, float | None]] = dataclasses.field(default_factory=list)
   stream_errors: list[Any] = dataclasses.field(default_factory=list)
 
   def fail(self, failure: str, error: str) -> None:
@@ -215,6 +219,10 @@ def request_body(config: LoadConfig, model: str, prompt: list[int] | str) -> dic
     body["messages"] = [{"role": "user", "content": prompt}]
   if config.ignore_eos:
     body["ignore_eos"] = True
+  if config.include_status:
+    body["stream_options"]["include_status"] = True
+  if config.max_queue_wait_s is not None:
+    body["max_queue_wait_s"] = config.max_queue_wait_s
   return body
 
 
@@ -292,6 +300,8 @@ def _take_chunk(data: str, endpoint: str, record: RequestRecord, now: float) -> 
   if not choices:
     if "status" in chunk:
       record.status_chunks += 1
+      status = chunk["status"] if isinstance(chunk["status"], dict) else {}
+      record.statuses.append((now, str(status.get("state")), _finite_float(status.get("eta_s"))))
     return
   choice = choices[0]
   text = (choice.get("text") if endpoint == "completions"

@@ -107,13 +107,16 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # KVPAGE_API_KEY, never a config, which runs record). `retry_jitter`: each retry hint
   # is stretched by a seeded factor in [1, 1 + this), so a refused burst does not come
   # back at one instant (`scheduler.retry_jitter` when serving, unless that is set).
+  # `retry_audit`: how many refused requests the server watches at once to learn how long
+  # each really had to wait (`scheduler.retry_audit` when serving, unless that is set;
+  # /metrics: kvpage:retry_hint_ratio).
   config.server = ml_collections.ConfigDict(dict(
       host="127.0.0.1", port=8000, served_model_name="",
       max_queue_wait_s=placeholder(float), drain_timeout_s=30.0,
       status_interval_s=1.0, kv_pressure_status=503, ttft_line_s=placeholder(float),
       max_connections=0, header_timeout_s=10.0, body_timeout_s=30.0, keep_alive_s=5.0,
       max_headers=100, max_header_bytes=65536, allowed_hosts="", allowed_origins="",
-      open_probes=True, retry_jitter=0.25))
+      open_probes=True, retry_jitter=0.25, retry_audit=64))
   return config
 
 
@@ -215,6 +218,7 @@ def check_server(server) -> None:
       raise ValueError(f"server.{name} must be a comma-separated string, got "
                        f"{server.get(name)!r}")
   _positive_number("server.retry_jitter", server.get("retry_jitter"), zero_is_off=True)
+  _positive_int("server.retry_audit", server.get("retry_audit"), 0)
   if not isinstance(server.get("open_probes"), bool):
     raise ValueError(f"server.open_probes must be true or false, got "
                      f"{server.get('open_probes')!r}")

@@ -54,6 +54,10 @@ def get_scheduler_config() -> ml_collections.ConfigDict:
       # line of rejected requests shapes hints only.
       retry_reservations=False,
       retry_grace_s=2.0,
+      # Audit the hints: watch up to this many refused requests at once, checking at each
+      # step's end whether a retry would now be admitted (kvpage.host.retry_audit; what
+      # /metrics reports as hint / needed). 0 = off; `serve` turns it on.
+      retry_audit=0,
       # Chunked prefill (Sarathi-Serve, OSDI'24): none = whole prompts, prefill-first;
       # chunked = decode-first, prefill chunks fill the rest of the token budget.
       prefill_policy="chunked",

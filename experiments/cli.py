@@ -342,12 +342,15 @@ def hold_serving_line(config: Any) -> str:
 
 
 def spread_retry_hints(config: Any) -> None:
-  """The server's `retry_jitter` into the scheduler section, unless that spreads its hints
-  itself: clients refused in one burst are told different times, so they do not all
-  come back at once."""
+  """The server's `retry_jitter` and `retry_audit` into the scheduler section, unless it
+  sets its own: clients refused in one burst are told different times, so they do not
+  all come back at once, and the server learns how long each really had to wait."""
   jitter = config.server.get("retry_jitter")
   if jitter and not config.scheduler.retry_jitter:
     config.scheduler.retry_jitter = float(jitter)
+  audit = config.server.get("retry_audit")
+  if audit and not config.scheduler.get("retry_audit"):
+    config.scheduler.retry_audit = int(audit)
 
 
 def define_tensor_parallel() -> flags.FlagHolder:

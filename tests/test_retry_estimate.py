@@ -1,8 +1,10 @@
 """The one wait estimator at small scale, on a clock the test sets and steps that take
 a known time: a 503's hint is the forecast moment its room opens (one step late, never
 early), later clients stand behind earlier ones, a 429's hint is the forecast departure
-that leaves a place, a waiting request's ETA comes from the same forecast, nothing is
-known before a step was priced, the cap holds, and jitter is seeded."""
+that leaves a place, a waiting request's ETA (to its first step and to its first token)
+comes from the same forecast, nothing is known before a step was priced, the cap holds,
+jitter is seeded; and the audit that checks each hint finds the wait really needed,
+probing admission without side effects."""
 
 import pytest
 
@@ -94,6 +96,9 @@ def test_429_hint_is_the_forecast_departure_that_leaves_a_place():
   assert 2 * STEP_S <= answer.retry_after <= STEP_S + 1.25 * STEP_S
   assert sched.eta("w") == pytest.approx(STEP_S)  # the same forecast
   assert sched.eta("a") == 0.0 and sched.eta("nobody") is None
+  # Its first token: the end of its (one-step) prefill, a step after it is scheduled.
+  assert sched.first_token_eta("w") == pytest.approx(sched.eta("w") + STEP_S, rel=0.25)
+  assert sched.first_token_eta("a") == 0.0 and sched.first_token_eta("nobody") is None
   run_steps(sched, clock, 2)
   assert sched.add_request(req("c", 8, 4)).admitted
 
@@ -146,3 +151,48 @@ def test_the_forecast_room_counts_the_rest_of_running_prompts():
   assert timeline.rooms[0] == 30 - 14
   assert set(timeline.rooms[:8]) == {16}  # each chunk trades an owed page for a held one
   assert timeline.rooms[-1] == 32  # it ended: every page is back
+
+
+def test_a_probe_answers_as_admission_would_and_changes_nothing():
+  sched, _ = two_running(rate_limit=100.0, rate_burst=5, max_waiting=4,
+                             retry_reservations=True)
+  big, small = req("b", 36, 8), req("s", 4, 4)
+  before = (dict(sched.admission.wait.reservations), sched.admission._bucket,
+            sched.stats()["rejections"], len(sched.waiting))
+  assert not sched.would_admit(big) and sched.would_admit(small)
+  after = (dict(sched.admission.wait.reservations), sched.admission._bucket,
+           sched.stats()["rejections"], len(sched.waiting))
+  assert after == before  # no reservation, no rate token, no rejection, nothing queued
+  assert big.status is small.status and big.arrival_time is None
+  assert sched.add_request(small).admitted and not sched.add_request(big).admitted
+  assert sched.admission.wait.reservations  # the real refusal holds its pages
+
+
+def test_the_audit_finds_the_wait_a_refusal_really_needed():
+  sched, clock = two_running(retry_audit=8)
+  answer = sched.add_request(req("b", 36, 8))
+  assert answer.status == 503 and sched.audit.num_open == 1
+  refused_at = clock.now
+  while sched.audit.num_open:
+    run_steps(sched, clock, 1)
+  (verdict,) = sched.audit.take()
+  # Room opens when "a" ends, 3 steps on; the hint is one step later than that.
+  assert verdict.reason == "kv_pressure" and verdict.hint_s == answer.retry_after
+  assert verdict.needed_s == pytest.approx(clock.now - refused_at) == pytest.approx(3 * STEP_S)
+  assert verdict.ratio == pytest.approx(4 / 3)
+  assert sched.audit.take() == []  # each verdict is handed out once
+  assert sched.add_request(req("b", 36, 8)).admitted  # the probe said so, and it is
+
+
+def test_the_audit_is_bounded_and_ends_a_watch_that_never_resolves():
+  sched, clock = two_running(retry_audit=1, max_retry_after_s=0.05)
+  assert sched.add_request(req("b", 36, 8)).status == 503
+  assert sched.add_request(req("c", 36, 8)).status == 503
+  assert sched.audit.num_open == 1 and sched.audit.skipped == 1
+  # Capped at 0.05 s, "b"'s hint is far too short: watched for at least a second.
+  for _ in range(3):
+    run_steps(sched, clock, 1)
+  assert sched.audit.take()[0].needed_s == pytest.approx(3 * STEP_S)
+  never, clock = scheduler(retry_audit=1)
+  assert never.add_request(req("x", 100, 20)).status == 400  # no hint: not audited
+  assert never.audit.num_open == 0

@@ -195,6 +195,31 @@ def test_a_request_forecast_to_wait_past_its_deadline_is_refused_at_the_door():
   assert scheduler.admission.num_backlog_pages == scheduler.admission.estimate_pages(patient)
 
 
+def test_metrics_report_how_long_an_audited_refusal_really_had_to_wait():
+  clock = _Clock()
+  scheduler = _scheduler(clock, retry_audit=4)
+  metrics = ServerMetrics(scheduler, clock, "fake")
+  assert scheduler.add_request(Request("first", [1] * 8, SamplingParams(max_tokens=12))).admitted
+  for _ in range(4):
+    _run_step(scheduler, clock, 0.1)
+  hurried = Request("hurried", [1] * 8, SamplingParams(max_tokens=4), max_queue_wait_s=0.5)
+  answer = scheduler.add_request(hurried)
+  assert answer.cause == "wait_deadline"
+  refused_at = clock.now
+  while scheduler.audit.num_open:  # `first` has 8 decodes left: a retry fits once it nears its end
+    output = scheduler.schedule()
+    clock.now += 0.1
+    scheduler.update(output, {seq.request_id: 1 for seq in output.scheduled if seq.samples})
+    metrics.on_step(output, {}, [])
+  needed = clock.now - refused_at
+  assert 0.1 <= needed <= answer.retry_after + 0.1 + 1e-9
+  text = metrics.render().decode()
+  assert ('kvpage:retry_hint_ratio_count{model_name="fake",reason="wait_deadline"} 1.0'
+          in text)
+  assert (f'kvpage:retry_needed_seconds_sum{{model_name="fake",reason="wait_deadline"}} '
+          f'{needed!r}' in text)
+
+
 def test_a_deadline_that_passes_in_the_queue_ends_the_request_and_frees_its_place():
   clock = _Clock()
   scheduler = _scheduler(clock)

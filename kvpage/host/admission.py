@@ -69,7 +69,8 @@ Pure Python: never imports jax.
 """
 
 import collections
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import ml_collections
 
@@ -98,6 +99,23 @@ class AdmissionControl:
     self.num_backlog_pages = 0
     self.wait = WaitEstimator(config, page_pool, self.watermark_pages, self._backlog)
     self._bucket = (float(config.rate_burst), float("-inf"))  # (tokens, when last filled)
+    self._probing = False  # inside `probing()`: answers only, no side effects
+
+  @contextlib.contextmanager
+  def probing(self) -> Iterator[None]:
+    """Inside, `decide` answers without side effects: it computes no hint (a refusal's
+    `retry_after` is 0), spends no rate-limit token and releases no reservation, so a
+    probe (`Scheduler.would_admit`) may ask it at any moment."""
+    self._probing = True
+    try:
+      yield
+    finally:
+      self._probing = False
+
+  def hint(self, estimate: Callable[..., float], *args: object) -> float:
+    """`estimate(*args)`, a retry hint (which may enter the request in the line), or 0
+    when probing."""
+    return 0.0 if self._probing else estimate(*args)
 
   def expected_output_tokens(self, request: Request) -> int:
     """Output tokens `request` is expected to produce in total, per `output_estimate`."""
@@ -183,7 +201,8 @@ class AdmissionControl:
           f"admitted waiting requests{prompts}{held} would leave {left} of "
           f"{pool.num_free_pages} free pages, under the watermark of "
           f"{self.watermark_pages:.1f}",
-          self.wait.retry_after_pages(request, estimate, now, queues), rid, "kv_pressure")
+          self.hint(self.wait.retry_after_pages, request, estimate, now, queues), rid,
+          "kv_pressure")
     return self._load_lines(request, now, queues)
 
   def _rate_limit(self, request: Request, now: float) -> Admission | None:
@@ -192,10 +211,12 @@ class AdmissionControl:
     tokens, filled = self._bucket
     tokens = min(float(burst), tokens + (now - filled) * rate)
     if tokens < 1.0:
-      self._bucket = (tokens, now)
+      if not self._probing:
+        self._bucket = (tokens, now)
       return Admission(TOO_MANY_REQUESTS, f"rate limited: {rate:g} requests/s (burst {burst})",
                        (1.0 - tokens) / rate, request.request_id, "rate_limited")
-    self._bucket = (tokens - 1.0, now)
+    if not self._probing:
+      self._bucket = (tokens - 1.0, now)
     return None
 
   def _load_lines(self, request: Request, now: float, queues: Queues) -> Admission:
@@ -215,14 +236,14 @@ class AdmissionControl:
         return Admission(
             SERVICE_UNAVAILABLE, f"token budget: {tokens} tokens for this request + "
             f"{inflight:.0f} in flight exceed max_inflight_tokens {budget}",
-            self.wait.retry_after_ends(inflight + tokens - budget, now, queues, weight), rid,
-            "token_budget")
+            self.hint(self.wait.retry_after_ends, inflight + tokens - budget, now, queues,
+                      weight), rid, "token_budget")
     limit = self.config.max_concurrent
     if limit and len(admitted) >= limit:
       return Admission(TOO_MANY_REQUESTS, f"concurrency limit: {len(admitted)} requests "
                        f"admitted and unfinished (max_concurrent {limit})",
-                       self.wait.retry_after_ends(len(admitted) - limit + 1, now, queues), rid,
-                       "concurrency_limit")
+                       self.hint(self.wait.retry_after_ends, len(admitted) - limit + 1, now,
+                                 queues), rid, "concurrency_limit")
     return self._queue_bound(request, now, queues)
 
   def _queue_bound(self, request: Request, now: float, queues: Queues) -> Admission:
@@ -230,9 +251,10 @@ class AdmissionControl:
     rid, num_waiting, bound = request.request_id, len(queues.waiting), self.config.max_waiting
     if bound and num_waiting >= bound:
       return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of {bound})",
-                       self.wait.retry_after_slots(request, num_waiting - bound + 1, now,
-                                                   queues), rid, "queue_full")
-    self.wait.release(rid)
+                       self.hint(self.wait.retry_after_slots, request,
+                                 num_waiting - bound + 1, now, queues), rid, "queue_full")
+    if not self._probing:
+      self.wait.release(rid)
     return Admission(OK, "admitted", None, rid)
 
   def owed_pages(self, running: Sequence[Request]) -> int:

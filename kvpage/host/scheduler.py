@@ -49,6 +49,7 @@ Pure Python: never imports jax.
 """
 
 import collections
+import copy
 import heapq
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +61,7 @@ from kvpage.host import multi_step, prefix_cache, scheduler_config
 from kvpage.host.admission import AdmissionControl
 from kvpage.host.forecast import Queues
 from kvpage.host.pages import PagePool
+from kvpage.host.retry_audit import RetryAudit
 from kvpage.interface import (
   TOO_MANY_REQUESTS,
   Admission,
@@ -94,6 +96,8 @@ class Scheduler:
     host = config.num_host_pages if num_host_pages is None else num_host_pages
     self.page_pool = PagePool(num_pages, page_size, host, prefix_caching=prefix_caching)
     self.admission = AdmissionControl(config, self.page_pool, max_model_len, vocab_size)
+    # Were the hints honest? Recent refusals, checked at every step's end (0: off).
+    self.audit = RetryAudit(config.retry_audit) if config.get("retry_audit") else None
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.swapped: list[Request] = []
@@ -148,9 +152,13 @@ class Scheduler:
       request.log(now, "rejected", status=answer.status, reason=answer.reason,
                   retry_after=answer.retry_after)
       self._count_rejection(answer)
+      if self.audit is not None:
+        self.audit.note(request, answer, now)
       return answer
     self._join(request)
     self._num_admitted += 1
+    if self.audit is not None and self.audit.num_open:
+      self.audit.admitted(request.request_id, now)  # a retry under the refused id
     if request.max_queue_wait_s is not None:
       heapq.heappush(self._deadlines, (request.arrival_time + request.max_queue_wait_s,
                                        request.admission_index, request))
@@ -205,9 +213,24 @@ class Scheduler:
     if forecast_s <= limit:
       return answer
     return Admission(TOO_MANY_REQUESTS, what,
-                     wait.retry_after_deadline(request, estimate, forecast_s - limit, now,
-                                               queues),
+                     self.admission.hint(wait.retry_after_deadline, request, estimate,
+                                         forecast_s - limit, now, queues),
                      request.request_id, "wait_deadline" if own else "wait_forecast")
+
+  def would_admit(self, request: Request) -> bool:
+    """Whether `request`, arriving now, would be admitted: every line `add_request`
+    holds, without its side effects (no hint computed, no rate-limit token spent,
+    nothing queued or logged). What the retry audit asks of a refused request."""
+    now = self.clock()
+    probe = copy.copy(request)  # a retry is a new arrival
+    probe.arrival_time = now
+    with self.admission.probing():
+      answer = self.admission.decide(probe, now, self._queues())
+      if answer.admitted and (probe.max_queue_wait_s is not None
+                              or self.config.max_forecast_ttft_s
+                              or self.config.max_ttft_slowdown):
+        answer = self._check_deadline(probe, answer, now)
+    return answer.admitted
 
   def deadline_retry_after(self, request: Request) -> float:
     """The retry hint for `request`, which ended because its `max_queue_wait_s` passed
@@ -355,6 +378,8 @@ class Scheduler:
           break
     if self.page_pool.prefix is not None:
       self._name_computed_pages(output)
+    if self.audit is not None and self.audit.num_open:
+      self.audit.probe(self.clock(), self.would_admit)
     return finished
 
   def _name_computed_pages(self, output: SchedulerOutput) -> None:
@@ -397,6 +422,17 @@ class Scheduler:
     if request.status is _RUNNING:
       return 0.0
     return self.admission.wait.eta(request, self.clock(), self._queues())
+
+  def first_token_eta(self, request_id: str) -> float | None:
+    """Seconds until a live request that waits (or sits swapped) is forecast to sample
+    its first token (a preempted one: its next); 0 once it runs, None for an id that is
+    not live. What a waiting client is told, from the estimator of the retry hints."""
+    request = self.requests.get(request_id)
+    if request is None:
+      return None
+    if request.status is _RUNNING:
+      return 0.0
+    return self.admission.wait.first_token_eta(request, self.clock(), self._queues())
 
   def _queues(self) -> Queues:
     """The queues as the wait forecast reads them, and the steps in flight (each starts

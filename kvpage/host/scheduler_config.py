@@ -17,7 +17,7 @@ _POSITIVE_INTS = ("max_num_seqs", "max_num_batched_tokens", "fixed_output_estima
                   "output_estimate_window", "num_decode_steps", "step_cost_window",
                   "rate_burst")
 _NON_NEGATIVE_INTS = ("max_waiting", "chunk_size", "num_host_pages", "retry_jitter_seed",
-                      "max_concurrent", "max_inflight_tokens")
+                      "max_concurrent", "max_inflight_tokens", "retry_audit")
 _POSITIVE_FLOATS = ("default_retry_after_s", "max_retry_after_s", "retry_grace_s")
 _NON_NEGATIVE_FLOATS = ("rate_limit", "max_forecast_ttft_s", "max_ttft_slowdown")  # 0 = off
 

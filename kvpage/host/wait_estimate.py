@@ -13,7 +13,8 @@ holds now, each step priced by the step-cost model fit to the steps it ran
     the watermark.
   * **429**: when enough of the waiting queue (and the clients told to come back to it
     before) has been scheduled to leave a place.
-  * **ETA**: when the forecast first schedules the waiting (or swapped) request.
+  * **ETA**: when the forecast first schedules the waiting (or swapped) request, and
+    when it samples its first token (what a waiting stream is told, `eta_s`).
   * **429/503 of a line on admitted requests** (a concurrency limit, an in-flight-token
     budget): when the forecast has ended enough of them to make room.
   * **A newcomer's first step and first token** (the forecast-TTFT lines and a
@@ -214,6 +215,18 @@ class WaitEstimator:
       at_head = not queues.swapped and bool(queues.waiting) and queues.waiting[0] is request
       return 0.0 if at_head else self.default_s
     when = timeline.scheduled.get(request.request_id)
+    return self.max_s if when is None else max(0.0, when - (now - made))
+
+  def first_token_eta(self, request: Request, now: float, queues: forecast.Queues) -> float:
+    """Seconds until an admitted request holding no device pages is forecast to sample
+    its first token (the end of the step computing the last of its prompt); before any
+    step was priced, its idle time to first token at the head of the queue, else
+    `default_retry_after_s`."""
+    timeline, made, _ = self._timeline(queues, now)
+    if timeline is None:
+      at_head = not queues.swapped and bool(queues.waiting) and queues.waiting[0] is request
+      return self.idle_first_token_s(request) if at_head else self.default_s
+    when = timeline.first_tokens.get(request.request_id)
     return self.max_s if when is None else max(0.0, when - (now - made))
 
   def newcomer_eta(self, request: Request, estimate: int, now: float,

@@ -22,7 +22,8 @@ carries its status every `status_interval_s`: by default as an SSE comment line,
 (so the `openai` client works unchanged) and which keeps proxies from cutting a silent
 stream; with `"stream_options": {"include_status": true}`, as a chunk with empty
 `choices` and a `status` object (`state` queueing | running | preempted, `position`,
-`waited_s`, `eta_s`). The ETA and the retry hints come from one estimator.
+`waited_s`, `eta_s`: the forecast seconds until its first token, or its next once
+preempted). The ETA and the retry hints come from one estimator.
 
 **Deadlines.** `max_queue_wait_s` (the body field, else the `x-kvpage-max-wait-s`
 header, else the server's default) bounds the wait for the first step: a request

@@ -9,6 +9,12 @@ forgotten. Gauges are set after every step from the scheduler's own counters.
 Counted as a rejection (`request_rejections_total{code}`): every request answered with
 an error status before its response started — the scheduler's 400/429/503 and the
 gateway's own (malformed bodies, unknown models, draining).
+
+Whether the retry hints told the truth (`kvpage.host.retry_audit`, on when the
+scheduler's `retry_audit` is): per rejection reason, `retry_hint_ratio` is the hint over
+the wait the refused request really needed (under 1: early, a client that honours it is
+refused again; over 1: late), `retry_needed_seconds` that wait, and
+`retry_audit_unresolved_total` the refusals still refused at the end of their watch.
 """
 
 from collections.abc import Callable
@@ -25,6 +31,8 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                7.5, 10.0, 20.0, 40.0, 80.0)
+# hint / needed: 1 is exact; the 2 bucket's edge is the bound a hint is judged by.
+RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 100.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0)
 
@@ -50,8 +58,9 @@ class ServerMetrics:
     def counter(name: str, doc: str, *extra: str) -> prom.Counter:
       return prom.Counter(f"kvpage:{name}", doc, (*labels, *extra), registry=self.registry)
 
-    def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> prom.Histogram:
-      return prom.Histogram(f"kvpage:{name}", doc, labels, buckets=buckets,
+    def histogram(name: str, doc: str, buckets: tuple[float, ...],
+                  *extra: str) -> prom.Histogram:
+      return prom.Histogram(f"kvpage:{name}", doc, (*labels, *extra), buckets=buckets,
                             registry=self.registry)
 
     self.running = gauge("num_requests_running", "Requests holding device pages.")
@@ -81,6 +90,14 @@ class ServerMetrics:
     self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the end.", E2E_BUCKETS)
     self.queue_time = histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                                 TTFT_BUCKETS)
+    self.hint_ratio = histogram("retry_hint_ratio", "A refusal's retry hint over the wait "
+                                "it really needed (audited), by reason.", RATIO_BUCKETS,
+                                "reason")
+    self.hint_needed = histogram("retry_needed_seconds", "The wait an audited refusal "
+                                 "really needed before a retry would be admitted.",
+                                 TTFT_BUCKETS, "reason")
+    self.hint_unresolved = counter("retry_audit_unresolved_total", "Audited refusals "
+                                   "still refused at the end of their watch.", "reason")
     self.set_gauges()
 
   def set_gauges(self) -> None:
@@ -104,6 +121,13 @@ class ServerMetrics:
         self.preemptions.labels(self._model, mode).inc(count)
     self.prefix_queries.labels(self._model).inc(row.get("prefix_query_tokens", 0))
     self.prefix_hits.labels(self._model).inc(row.get("prefix_hit_tokens", 0))
+    audit = getattr(self.scheduler, "audit", None)
+    for verdict in audit.take() if audit is not None else ():
+      self.hint_ratio.labels(self._model, verdict.reason).observe(verdict.ratio)
+      if verdict.needed_s is None:
+        self.hint_unresolved.labels(self._model, verdict.reason).inc()
+      else:
+        self.hint_needed.labels(self._model, verdict.reason).observe(verdict.needed_s)
     self.set_gauges()
 
   def ended(self, request: Request) -> None:
