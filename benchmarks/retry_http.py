@@ -15,8 +15,9 @@ compiled and warmed before any clock), holds every line a refused client can mee
     429 `wait_deadline`.
 
 The 1x rate is the throughput with everything at once (`--at_once_requests` offered
-together, each refused one retrying at its hint: served / wall time). At each load in `--loads`, `--overload_s` seconds of
-Poisson arrivals run twice: plain clients, then clients with a deadline. The clients
+together, each refused one retrying at its hint: served / wall time). At each load in
+`--loads`, `--overload_s` seconds of Poisson arrivals run twice: plain clients, then
+clients with a deadline. The clients
 are `benchmarks.load_client`'s: streamed completions of `--prompt_len` random token
 ids, `--output_len` tokens each (greedy, ignore_eos), and a refused request sleeps
 exactly its hint (`retry-after-ms`) and is sent again, up to `--max_retries` times.
@@ -210,7 +211,8 @@ def audit_delta(before: Mapping[str, Mapping[str, float]],
 
 
 def wait_idle(url: str, timeout_s: float = 120.0) -> None:
-  """Until the server runs and queues nothing (a run's stragglers gone)."""
+  """Until the server runs, queues and holds in line nothing (a run's stragglers gone,
+  and every place promised to a refused request returned or lapsed)."""
   from prometheus_client.parser import text_string_to_metric_families
 
   deadline = time.monotonic() + timeout_s
@@ -218,7 +220,8 @@ def wait_idle(url: str, timeout_s: float = 120.0) -> None:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
       text = response.read().decode()
     busy = sum(sample.value for family in text_string_to_metric_families(text)
-               if family.name in ("kvpage:num_requests_running", "kvpage:num_requests_waiting")
+               if family.name in ("kvpage:num_requests_running", "kvpage:num_requests_waiting",
+                                  "kvpage:num_requests_in_line")
                for sample in family.samples)
     if not busy:
       return

@@ -341,7 +341,7 @@ def hold_serving_line(config: Any) -> str:
   return f"forecast TTFT line {line:g} s (server.ttft_line_s)"
 
 
-def spread_retry_hints(config: Any) -> None:
+def apply_retry_policy(config: Any) -> None:
   """The server's `retry_jitter` and `retry_audit` into the scheduler section, unless it
   sets its own: clients refused in one burst are told different times, so they do not
   all come back at once, and the server learns how long each really had to wait."""

@@ -135,7 +135,7 @@ def main(argv: list[str]) -> None:
   if _PROCESSES.process_id.value == 0:  # the one that serves: its port, before warm-up
     server.check_address(config.server.host, config.server.port)
   line = cli.hold_serving_line(config)
-  cli.spread_retry_hints(config)
+  cli.apply_retry_policy(config)
   tokenizer, eos_ids = None, ()
   if _CHECKPOINT.value:
     tokenizer = hf.load_tokenizer(_CHECKPOINT.value)

@@ -27,6 +27,15 @@ def test_cost_model_recovers_each_kind_and_skips_compiles():
   assert all(c >= 0 for c in model.coefficients(True))
 
 
+def test_a_compile_before_any_forecast_is_left_out_by_the_kinds_own_samples():
+  model = StepCostModel()
+  for tokens in (64, 128, 256):  # warm-up prices a few prefill shapes; nothing asked yet
+    model.observe(tokens, 0, 0.01 + 1e-4 * tokens, num_sequences=1)
+  model.observe(128, 0, 4.0, num_sequences=1)  # the first request compiles something
+  assert model.predict(256, 0, prefill=True) == pytest.approx((0.01 + 1e-4 * 256)
+                                                              * (1 + BORROWED_ERROR))
+
+
 def test_a_kind_without_samples_borrows_with_a_floor_and_a_margin():
   model = StepCostModel()
   for tokens in (256, 2048, 2048):  # only prefill steps, cost proportional to tokens

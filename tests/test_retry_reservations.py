@@ -1,6 +1,7 @@
 """Reservations (`scheduler.retry_reservations`) at small scale, on a clock the test
 sets: a 503'd request holds its pages, so a newcomer cannot take them and the client
-returning with its id is admitted; a reservation lapses after its grace period."""
+returning with its id is admitted; a reservation lapses after its grace period; a
+client refused on return by another line (its own deadline) keeps its place."""
 
 from configs import scheduler as scheduler_lib
 from kvpage.host.scheduler import Scheduler
@@ -69,3 +70,21 @@ def test_off_by_default_a_newcomer_takes_the_room():
   assert sched.add_request(req("client", 20, 12)).status == 503
   sched.abort("gone")
   assert sched.add_request(req("newcomer", 20, 12)).admitted
+
+
+def test_a_client_the_deadline_check_refuses_keeps_its_place():
+  sched, clock = scheduler()
+  fill_then_free(sched, clock)
+  promised = sched.add_request(req("client", 20, 12))
+  assert promised.status == 503
+  rank = sched.admission.wait.reservations["client"].rank
+  sched.abort("gone")
+  clock.now += promised.retry_after
+  # Its pages are there, but it reached the gateway a second ago and will wait half
+  # of one: refused by its own deadline, not by the cache.
+  hurried = Request("client", [1] * 20, SamplingParams(12), max_queue_wait_s=0.5)
+  hurried.arrival_time = clock.now - 1.0
+  answer = sched.add_request(hurried)
+  assert answer.cause == "wait_deadline"
+  assert sched.admission.wait.reservations["client"].rank == rank  # still first in line
+  assert sched.add_request(req("client", 20, 12)).admitted

@@ -104,8 +104,9 @@ class AdmissionControl:
   @contextlib.contextmanager
   def probing(self) -> Iterator[None]:
     """Inside, `decide` answers without side effects: it computes no hint (a refusal's
-    `retry_after` is 0), spends no rate-limit token and releases no reservation, so a
-    probe (`Scheduler.would_admit`) may ask it at any moment."""
+    `retry_after` is 0) and spends no rate-limit token, so a probe
+    (`Scheduler.would_admit`) may ask it at any moment. (A reservation is released by
+    the scheduler, once every line admitted the request.)"""
     self._probing = True
     try:
       yield
@@ -253,8 +254,6 @@ class AdmissionControl:
       return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of {bound})",
                        self.hint(self.wait.retry_after_slots, request,
                                  num_waiting - bound + 1, now, queues), rid, "queue_full")
-    if not self._probing:
-      self.wait.release(rid)
     return Admission(OK, "admitted", None, rid)
 
   def owed_pages(self, running: Sequence[Request]) -> int:

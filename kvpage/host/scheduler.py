@@ -155,6 +155,7 @@ class Scheduler:
       if self.audit is not None:
         self.audit.note(request, answer, now)
       return answer
+    self.admission.wait.release(request.request_id)  # its place in line, if it held one
     self._join(request)
     self._num_admitted += 1
     if self.audit is not None and self.audit.num_open:

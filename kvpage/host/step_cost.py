@@ -57,6 +57,9 @@ class StepCostModel:
     # samples (`REFIT_FRACTION`), so observing a step costs the scheduler next to nothing.
     self._fits: dict[bool, tuple[float, float, float, float] | None] = {}
     self._new = 0  # samples observed since the fits were made
+    # Each kind's samples so far, and its own fit with the count it was made at.
+    self._seen = dict.fromkeys((True, False), 0)
+    self._guards: dict[bool, tuple[int, tuple[float, float, float, float]]] = {}
 
   def observe(self, num_tokens: int, num_context_tokens: int, seconds: float, *,
               num_sequences: int) -> None:
@@ -64,11 +67,30 @@ class StepCostModel:
     if seconds <= 0 or num_tokens <= 0:
       return
     prefill = num_tokens > num_sequences
-    fit = self._fits.get(prefill)  # possibly stale: good enough to spot a compile
+    # Possibly stale, good enough to spot a compile; before any forecast asked for a
+    # fit, the kind's own samples guard it (the first request after warm-up may compile
+    # what warm-up did not).
+    fit = self._fits.get(prefill) or self._guard(prefill)
     if fit is not None and seconds > OUTLIER * _price(fit, num_tokens, num_context_tokens):
       return
     self._samples[prefill].append((num_tokens, num_context_tokens, seconds))
+    self._seen[prefill] += 1
     self._new += 1
+
+  def _guard(self, prefill: bool) -> tuple[float, float, float, float] | None:
+    """A fit of the kind's own samples (None with fewer than `MIN_SAMPLES`), kept
+    until an eighth of them are new: what a sample is checked against before any
+    forecast fit the model."""
+    own = self._samples[prefill]
+    if len(own) < MIN_SAMPLES:
+      return None
+    made = self._guards.get(prefill)
+    if made is None or self._seen[prefill] - made[0] >= max(1, len(own) // REFIT_FRACTION):
+      coefficients, _ = _non_negative_fit(np.array(own, dtype=np.float64))
+      launch, per_token, per_context = map(float, coefficients)
+      made = (self._seen[prefill], (launch, per_token, per_context, 0.0))
+      self._guards[prefill] = made
+    return made[1]
 
   def predict(self, num_tokens: float, num_context_tokens: float,
               prefill: bool) -> float | None:

@@ -66,6 +66,8 @@ class ServerMetrics:
     self.running = gauge("num_requests_running", "Requests holding device pages.")
     self.waiting = gauge("num_requests_waiting", "Admitted requests waiting for a step.")
     self.swapped = gauge("num_requests_swapped", "Requests swapped out to host pages.")
+    self.in_line = gauge("num_requests_in_line", "Refused requests whose place in line is "
+                         "held until they return (retry reservations).")
     self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of usable KV pages in use (0-1).")
     self.cached_pages = gauge("prefix_cache_pages", "KV pages named by the prefix cache.")
     self.evictable_pages = gauge("prefix_cache_evictable_pages",
@@ -98,6 +100,7 @@ class ServerMetrics:
                                  TTFT_BUCKETS, "reason")
     self.hint_unresolved = counter("retry_audit_unresolved_total", "Audited refusals "
                                    "still refused at the end of their watch.", "reason")
+    self.in_line.labels(self._model).set_function(self._num_in_line)  # read when scraped
     self.set_gauges()
 
   def set_gauges(self) -> None:
@@ -108,6 +111,14 @@ class ServerMetrics:
     self.kv_usage.labels(self._model).set(stats["kv_usage"])
     self.cached_pages.labels(self._model).set(stats["num_cached_pages"])
     self.evictable_pages.labels(self._model).set(stats["num_evictable_pages"])
+
+  def _num_in_line(self) -> int:
+    """Places held for refused requests, not yet lapsed."""
+    wait = getattr(getattr(self.scheduler, "admission", None), "wait", None)
+    if wait is None or not wait.reserve:
+      return 0
+    now = self.scheduler.clock()
+    return sum(held.expires >= now for held in list(wait.reservations.values()))
 
   # Fed by the engine thread.
   def on_step(self, output: Any, new_tokens: dict[str, list[int]],
