@@ -15,7 +15,7 @@ compiled and warmed before any clock), holds every line a refused client can mee
     429 `wait_deadline`.
 
 The 1x rate is the throughput with everything at once (`--at_once_requests` offered
-together, each refused one retrying at its hint: served / wall time). At each load in
+together to the same server with every line off: served / wall time). At each load in
 `--loads`, `--overload_s` seconds of Poisson arrivals run twice: plain clients, then
 clients with a deadline. The clients
 are `benchmarks.load_client`'s: streamed completions of `--prompt_len` random token
@@ -210,7 +210,7 @@ def audit_delta(before: Mapping[str, Mapping[str, float]],
   return out
 
 
-def wait_idle(url: str, timeout_s: float = 120.0) -> None:
+def wait_idle(url: str, timeout_s: float = 600.0) -> None:
   """Until the server runs, queues and holds in line nothing (a run's stragglers gone,
   and every place promised to a refused request returned or lapsed)."""
   from prometheus_client.parser import text_string_to_metric_families
@@ -282,26 +282,28 @@ def run_benchmark(settings: Settings, config: Any,
             f"--compilation_cache={settings.compilation_cache}"]
   vocab = config.model.vocab_size
   started_at = time.time()
+  # The warm-ups and the 1x run, as overload_http makes them.
+  loads = rules.Loads(rules.Settings(
+      config_file=settings.config_file, overrides=settings.overrides,
+      prompt_len=settings.prompt_len, output_len=settings.output_len,
+      at_once_requests=settings.at_once_requests, unloaded_requests=1, overload_s=1.0,
+      min_requests=1, max_requests=settings.max_requests, seeds=1, lines=[],
+      capacity="at_once", low_load=0.0, timeout_s=settings.timeout_s,
+      warmup_requests=WARMUP_REQUESTS), vocab)
+  no_line = [*flags_, *(f"--config.{key if '.' in key else 'scheduler.' + key}={value}"
+                        for key, value in rules.NO_LINE.items())]
+  with rules.started(no_line, server_cores) as server:  # the 1x rate: no line refuses
+    loads.warm(server)
+    at_once = loads.run(server, rate=math.inf, count=settings.at_once_requests)
+  one_x = at_once["served"] / at_once["wall_s"]
+  progress(f"1x: {one_x:.2f} req/s ({at_once['served']} of {settings.at_once_requests} "
+           f"offered at once to a server holding no line, served in "
+           f"{at_once['wall_s']:.2f} s)")
   runs = []
   with rules.started(flags_, server_cores) as server:
     progress(f"server on {server.url}: {server.num_pages:,} KV pages; {server.admission}")
-    # The warm-up and the 1x run, as overload_http makes them; refused requests retry at
-    # their hints, so every one is served and the throughput is the server's.
-    loads = rules.Loads(rules.Settings(
-        config_file=settings.config_file, overrides=settings.overrides,
-        prompt_len=settings.prompt_len, output_len=settings.output_len,
-        at_once_requests=settings.at_once_requests, unloaded_requests=1, overload_s=1.0,
-        min_requests=1, max_requests=settings.max_requests, seeds=1, lines=[],
-        capacity="at_once", low_load=0.0, max_retries=settings.max_retries,
-        timeout_s=settings.timeout_s,
-        warmup_requests=WARMUP_REQUESTS), vocab)
     loads.warm(server)
     wait_idle(server.url)
-    at_once = loads.run(server, rate=math.inf, count=settings.at_once_requests)
-    wait_idle(server.url)
-    one_x = at_once["served"] / at_once["wall_s"]
-    progress(f"1x: {one_x:.2f} req/s ({at_once['served']} of {settings.at_once_requests} "
-             f"served at once in {at_once['wall_s']:.2f} s)")
     for load in settings.loads:
       kinds = [None, settings.deadline_s] if settings.deadline_s else [None]
       for seed, deadline in enumerate(kinds):
