@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("uvicorn")
 
-from benchmarks import retry_http  # after the skips: it imports aiohttp
+from benchmarks import retry_rules  # after the skips: it imports aiohttp
 from benchmarks.load_client import Attempt, RequestRecord
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ def test_first_retry_admission_is_counted_by_the_first_refusals_reason():
              record((429, "queue_full", False), (429, "queue_full", True), (200, None, True)),
              record((503, "kv_pressure", False), (200, None, False)),  # not at the hint
              record((200, None, False))]
-  figures = retry_http.first_retries(records)
+  figures = retry_rules.first_retries(records)
   assert figures["queue_full"] == dict(refused_first=2, retried_at_hint=2, admitted=1,
                                        admitted_fraction=0.5)
   assert figures["kv_pressure"]["admitted_fraction"] is None  # no retry at the hint
@@ -43,7 +43,7 @@ def test_the_eta_is_judged_from_the_first_waiting_status():
   within = record(statuses=[(1.0, "queueing", 2.0), (1.5, "queueing", 0.1)], chunks=[3.5])
   late = record(statuses=[(1.0, "queueing", 0.5)], chunks=[3.0])  # 2.0 s for 0.5 s
   never_waited = record(statuses=[(1.0, "running", 0.0)], chunks=[1.1])
-  figures = retry_http.eta_accuracy([within, late, never_waited])
+  figures = retry_rules.eta_accuracy([within, late, never_waited])
   assert (figures["waiting_requests"], figures["within"]) == (2, 1)
   assert figures["within_fraction"] == 0.5
 
@@ -53,7 +53,7 @@ def test_the_audit_is_read_as_the_runs_delta_with_the_median_bucket():
   after = {"queue_full": {"le=1.0": 2, "le=2.0": 3, "le=+Inf": 5, "count": 5,
                           "unresolved": 1},
            "kv_pressure": {"le=1.0": 0, "le=2.0": 0, "le=+Inf": 0, "count": 0}}
-  delta = retry_http.audit_delta(before, after)
+  delta = retry_rules.audit_delta(before, after)
   assert list(delta) == ["queue_full"]  # nothing audited for kv_pressure in this run
   assert delta["queue_full"] == dict(audited=4, median_ratio_bucket="(1, 2]", within_bar=2,
                                      within_bar_fraction=0.5, unresolved=1)
@@ -81,7 +81,7 @@ def test_a_smoke_run_records_its_premises_and_judges_from_its_own_numbers(result
   kinds = {run["deadline_s"] for run in result["runs"]}
   assert kinds == {None, 1.0}
   for run in result["runs"]:
-    assert run["verdict"] == retry_http.judge(run)
+    assert run["verdict"] == retry_rules.judge(run)
     refused = run["reasons"]
     for reason, audit in run["audit"].items():
       # Every audited refusal was a refusal this run's clients saw.
