@@ -84,6 +84,9 @@ class LoadConfig:
       raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
     if not 0 < self.timeout_s < math.inf:
       raise ValueError(f"timeout_s must be positive and finite, got {self.timeout_s}")
+    if self.max_queue_wait_s is not None and not 0 < self.max_queue_wait_s < math.inf:
+      raise ValueError(f"max_queue_wait_s must be positive and finite (or unset), got "
+                       f"{self.max_queue_wait_s}")
 
   @property
   def base_url(self) -> str:

@@ -76,6 +76,10 @@ flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the prompts and the arriva
 flags.DEFINE_integer("max_retries", _DEFAULTS.max_retries, "Retries of a 429/503, at most.")
 flags.DEFINE_bool("honor_retry_after", _DEFAULTS.honor_retry_after,
                   "Wait the server's retry-after-ms / Retry-After; else back off 0.5 s, doubling.")
+flags.DEFINE_bool("include_status", _DEFAULTS.include_status,
+                  "Ask for status chunks while a request waits (kvpage's stream option).")
+flags.DEFINE_float("max_queue_wait_s", _DEFAULTS.max_queue_wait_s,
+                   "kvpage's wait deadline, sent in every body (default: none).")
 flags.DEFINE_float("timeout_s", _DEFAULTS.timeout_s,
                    "Wall bound of the load; what is left then is cancelled, counted unfinished.")
 _OUTPUT = flags.DEFINE_string("output", "workdir/serve_http/result.json", "JSON record path.")

@@ -193,8 +193,21 @@ def test_serve_checks_its_address_before_warming_up():
   assert "the host does not resolve" in done.stderr
 
 
+def wait_until_caught(pid: int, sig: signal.Signals, timeout_s: float = 60.0) -> None:
+  """Until process `pid` catches `sig` (its handler installed: Linux's /proc); before
+  that the signal's default action ends it, which no program can report."""
+  status = pathlib.Path(f"/proc/{pid}/status")
+  deadline = time.monotonic() + timeout_s
+  while status.exists() and time.monotonic() < deadline:
+    caught = next((line.split()[1] for line in status.read_text().splitlines()
+                   if line.startswith("SigCgt:")), "0")
+    if int(caught, 16) >> (sig - 1) & 1:
+      return
+    time.sleep(0.005)
+
+
 @pytest.mark.parametrize(("sig", "after_s", "executor"), [
-    (signal.SIGTERM, 0.2, "sim"),  # still importing
+    (signal.SIGTERM, 0.0, "sim"),  # still importing: as soon as the handler is in
     (signal.SIGTERM, 5.0, "sim"),  # mid-run
     (signal.SIGINT, 5.0, "jax"),  # mid-compile: once ended in a segmentation fault
 ])
@@ -207,6 +220,7 @@ def test_a_signal_mid_run_ends_in_one_line_and_leaves_no_workdir(tmp_path, sig, 
        "--compilation_cache=", f"--workdir={workdir}"],
       cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
       env={**os.environ, "JAX_COMPILATION_CACHE_DIR": ""})
+  wait_until_caught(process.pid, sig)  # (a loaded machine starts Python slowly)
   time.sleep(after_s)
   process.send_signal(sig)
   _, stderr = process.communicate(timeout=120)
