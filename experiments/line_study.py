@@ -516,6 +516,10 @@ def figures(record: dict[str, Any]):
       scale = 1e3 if metric == "tpot_p99_s" else 1.0
       values = [scale * by_line[line]["best"][metric] for line in lines]
       bars_ = ax.bar(range(len(lines)), values, color=[colours[line] for line in lines])
+      if not any(values):  # say so, rather than draw an empty panel around zero
+        ax.set_ylim(0, 1)
+        ax.text(0.5, 0.5, "0 at every line's best setting", transform=ax.transAxes,
+                ha="center", va="center", fontsize=8)
       if column == 0:  # each line's best knob value, over its goodput bar
         ax.bar_label(bars_, [by_line[line]["best_knob"].replace("None", "")
                              for line in lines], fontsize=6, rotation=90, padding=2)
