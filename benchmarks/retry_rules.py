@@ -15,7 +15,7 @@ from typing import Any
 
 from benchmarks import load_client
 from benchmarks import overload_rules as rules
-from benchmarks.load_client import LoadConfig, LoadResult, RequestRecord
+from benchmarks.load_client import LoadConfig, RequestRecord
 from kvpage import premises
 
 SMOKE = dict(prompt_len=32, output_len=16, loads=["10"], overload_s=3.0, at_once_requests=24,
@@ -89,14 +89,18 @@ def eta_accuracy(records: Iterable[RequestRecord]) -> dict[str, Any]:
 
 
 # What the server's audit found: its /metrics histograms, before and after a run.
-def scrape(url: str) -> dict[str, dict[str, float]]:
-  """The audit's series, `{reason: {"le=<edge>": cumulative count, "count": n, ...}}`."""
+def _metric_families(url: str) -> list[Any]:
+  """The server's `/metrics`, parsed."""
   from prometheus_client.parser import text_string_to_metric_families
 
   with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-    text = response.read().decode()
+    return list(text_string_to_metric_families(response.read().decode()))
+
+
+def scrape(url: str) -> dict[str, dict[str, float]]:
+  """The audit's series, `{reason: {"le=<edge>": cumulative count, "count": n, ...}}`."""
   out: dict[str, dict[str, float]] = collections.defaultdict(dict)
-  for family in text_string_to_metric_families(text):
+  for family in _metric_families(url):
     if family.name not in ("kvpage:retry_hint_ratio", "kvpage:retry_audit_unresolved"):
       continue
     for sample in family.samples:
@@ -141,13 +145,9 @@ def audit_delta(before: Mapping[str, Mapping[str, float]],
 def wait_idle(url: str, timeout_s: float = 600.0) -> None:
   """Until the server runs, queues and holds in line nothing (a run's stragglers gone,
   and every place promised to a refused request returned or lapsed)."""
-  from prometheus_client.parser import text_string_to_metric_families
-
   deadline = time.monotonic() + timeout_s
   while time.monotonic() < deadline:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
-      text = response.read().decode()
-    busy = sum(sample.value for family in text_string_to_metric_families(text)
+    busy = sum(sample.value for family in _metric_families(url)
                if family.name in ("kvpage:num_requests_running", "kvpage:num_requests_waiting",
                                   "kvpage:num_requests_in_line")
                for sample in family.samples)
@@ -170,7 +170,9 @@ def judge(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_run(settings: Settings, url: str, vocab_size: int, *, rate: float, seed: int,
-             deadline_s: float | None) -> tuple[LoadResult, dict[str, Any]]:
+             deadline_s: float | None) -> dict[str, Any]:
+  """One load of hint-honouring clients; the row of what they saw and what the audit
+  found."""
   count = min(settings.max_requests, max(1, round(rate * settings.overload_s)))
   config = LoadConfig(url=url, num_requests=count, request_rate=rate,
                       prompt_len=settings.prompt_len, output_len=settings.output_len,
@@ -179,21 +181,19 @@ def load_run(settings: Settings, url: str, vocab_size: int, *, rate: float, seed
                       timeout_s=settings.timeout_s, include_status=True,
                       max_queue_wait_s=deadline_s)
   before = scrape(url)
-  result = asyncio.run(load_client.run_load(config))
+  result, reasons = rules.run_load(config)
   wait_idle(url)
   after = scrape(url)
   summary = load_client.summarize(result)
   row = dict(rate_per_s=rate, num_requests=count, seed=seed, deadline_s=deadline_s,
              served=summary["served"], failures=summary["failures"],
              unfinished=summary["unfinished"], rejections=summary["rejections"],
-             reasons=dict(sorted(collections.Counter(
-                 a.reason or "unstated" for r in result.requests for a in r.attempts
-                 if a.status in load_client.RETRYABLE_STATUSES).items())),
+             reasons=reasons,
              retries=summary["retries"], wall_s=result.wall_s,
              first_retries=first_retries(result.requests), audit=audit_delta(before, after),
              eta=eta_accuracy(result.requests))
   row["verdict"] = judge(row)
-  return result, row
+  return row
 
 
 def run_benchmark(settings: Settings, config: Any,
@@ -235,7 +235,7 @@ def run_benchmark(settings: Settings, config: Any,
     for load in settings.loads:
       kinds = [None, settings.deadline_s] if settings.deadline_s else [None]
       for seed, deadline in enumerate(kinds):
-        _, row = load_run(settings, server.url, vocab, rate=load * one_x, seed=seed,
+        row = load_run(settings, server.url, vocab, rate=load * one_x, seed=seed,
                           deadline_s=deadline)
         row["load"] = load
         runs.append(row)

@@ -55,26 +55,16 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
               max=float(array.max()))
 
 
-# The prompt-length classes of the summary's `by_prompt_length`: upper bounds (tokens).
-PROMPT_CLASSES = (256, 1024, 4096, None)
+# The prompt-length classes of the summary's `by_prompt_length`: (name, the most prompt
+# tokens it holds, a name fit for a column).
+PROMPT_CLASSES = (("<=256", 256, "upto256"), ("257-1024", 1024, "257to1024"),
+                  ("1025-4096", 4096, "1025to4096"), (">4096", float("inf"), "over4096"))
+PROMPT_CLASS_KEYS = {name: key for name, _, key in PROMPT_CLASSES}
 
 
 def prompt_class(tokens: int) -> str:
   """The name of the prompt-length class `tokens` falls in ("<=256", ..., ">4096")."""
-  low = 0
-  for high in PROMPT_CLASSES:
-    if high is None:
-      return f">{low}"
-    if tokens <= high:
-      return f"<={high}" if low == 0 else f"{low + 1}-{high}"
-    low = high
-  raise AssertionError("the last class has no upper bound")
-
-
-# Each class's name -> a name fit for a column ("<=256" -> "upto256", ">4096" -> "over4096").
-PROMPT_CLASS_KEYS = {
-    name: name.replace("<=", "upto").replace(">", "over").replace("-", "to")
-    for name in (prompt_class(1 + low) for low in (0, *PROMPT_CLASSES[:-1]))}
+  return next(name for name, most, _ in PROMPT_CLASSES if tokens <= most)
 
 
 def running_batch(steps: Sequence[dict[str, Any]]) -> dict[str, float | None]:
@@ -329,7 +319,7 @@ class MetricsRecorder:
         goodput_fraction=len(good) / len(rows) if rows else 0.0,
         goodput_token_fraction=(sum(r["prompt_tokens"] for r in good) / offered_tokens
                                 if offered_tokens else 0.0),
-        by_prompt_length=by_prompt_length(rows, good),
+        by_prompt_length=by_prompt_length(rows, done, good),
         failed_requests=failed_requests(rows), premises=premises)
 
   def files(self, summary: dict[str, Any]) -> dict[str, str]:
@@ -346,18 +336,18 @@ class MetricsRecorder:
       (workdir / name).write_text(text)
 
 
-def by_prompt_length(rows: Sequence[dict[str, Any]],
+def by_prompt_length(rows: Sequence[dict[str, Any]], done: Sequence[dict[str, Any]],
                      good: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
   """Per prompt-length class (`PROMPT_CLASSES`) with requests: how many were offered,
-  finished, rejected and within both SLOs (`good`), and that share of the offered."""
+  finished (`done`), rejected and within both SLOs (`good`), and that share of the
+  offered."""
   out: dict[str, dict[str, Any]] = {}
-  good_ids = {r["request_id"] for r in good}
+  done_ids, good_ids = {r["request_id"] for r in done}, {r["request_id"] for r in good}
   for row in sorted(rows, key=lambda r: r["prompt_tokens"]):
     entry = out.setdefault(prompt_class(row["prompt_tokens"]),
                            dict(offered=0, finished=0, rejected=0, good=0))
     entry["offered"] += 1
-    entry["finished"] += row["status"] == RequestStatus.FINISHED.value and row[
-        "finish_reason"] in ("length", "stop")
+    entry["finished"] += row["request_id"] in done_ids
     entry["rejected"] += row["status"] == RequestStatus.REJECTED.value
     entry["good"] += row["request_id"] in good_ids
   for entry in out.values():

@@ -97,8 +97,9 @@ def test_429_hint_is_the_forecast_departure_that_leaves_a_place():
   assert sched.eta("w") == pytest.approx(STEP_S)  # the same forecast
   assert sched.eta("a") == 0.0 and sched.eta("nobody") is None
   # Its first token: the end of its (one-step) prefill, a step after it is scheduled.
-  assert sched.first_token_eta("w") == pytest.approx(sched.eta("w") + STEP_S, rel=0.25)
-  assert sched.first_token_eta("a") == 0.0 and sched.first_token_eta("nobody") is None
+  assert sched.eta("w", first_token=True) == pytest.approx(sched.eta("w") + STEP_S, rel=0.25)
+  assert sched.eta("a", first_token=True) == 0.0
+  assert sched.eta("nobody", first_token=True) is None
   run_steps(sched, clock, 2)
   assert sched.add_request(req("c", 8, 4)).admitted
 

@@ -228,7 +228,7 @@ def test_goodput_weighted_by_prompt_tokens_and_split_by_prompt_length():
   assert sum(c["good"] for c in classes.values()) == len(good)
   refused = dict(request_id="refused", prompt_tokens=8000, status="rejected",
                  finish_reason=None)
-  assert metrics.by_prompt_length([*rows, refused], good)[">4096"] == dict(
+  assert metrics.by_prompt_length([*rows, refused], rows, good)[">4096"] == dict(
       offered=1, finished=0, rejected=1, good=0, good_fraction=0.0)
 
 

@@ -142,11 +142,7 @@ class Scheduler:
       request.arrival_time = now
     request.log(now, "queued", num_prompt_tokens=request.num_prompt_tokens,
                 max_tokens=request.sampling.max_tokens, priority=request.priority)
-    answer = (self._duplicate(request) if live is not None
-              else self.admission.decide(request, now, self._queues()))
-    if answer.admitted and (request.max_queue_wait_s is not None
-                            or self.config.max_forecast_ttft_s or self.config.max_ttft_slowdown):
-      answer = self._check_deadline(request, answer, now)
+    answer = self._duplicate(request) if live is not None else self._answer(request, now)
     if not answer.admitted:
       request.status = RequestStatus.REJECTED
       request.log(now, "rejected", status=answer.status, reason=answer.reason,
@@ -164,6 +160,15 @@ class Scheduler:
       heapq.heappush(self._deadlines, (request.arrival_time + request.max_queue_wait_s,
                                        request.admission_index, request))
     request.log(now, "admitted", estimated_pages=self.admission.estimate_pages(request))
+    return answer
+
+  def _answer(self, request: Request, now: float) -> Admission:
+    """Every line's answer to `request` arriving now: admission's, then the forecast's
+    (a deadline of its own, or the server's forecast-TTFT lines)."""
+    answer = self.admission.decide(request, now, self._queues())
+    if answer.admitted and (request.max_queue_wait_s is not None
+                            or self.config.max_forecast_ttft_s or self.config.max_ttft_slowdown):
+      answer = self._check_deadline(request, answer, now)
     return answer
 
   def _join(self, request: Request) -> None:
@@ -226,12 +231,7 @@ class Scheduler:
     probe = copy.copy(request)  # a retry is a new arrival
     probe.arrival_time = now
     with self.admission.probing():
-      answer = self.admission.decide(probe, now, self._queues())
-      if answer.admitted and (probe.max_queue_wait_s is not None
-                              or self.config.max_forecast_ttft_s
-                              or self.config.max_ttft_slowdown):
-        answer = self._check_deadline(probe, answer, now)
-    return answer.admitted
+      return self._answer(probe, now).admitted
 
   def deadline_retry_after(self, request: Request) -> float:
     """The retry hint for `request`, which ended because its `max_queue_wait_s` passed
@@ -413,27 +413,19 @@ class Scheduler:
   def has_unfinished(self) -> bool:
     return bool(self.requests)
 
-  def eta(self, request_id: str) -> float | None:
-    """Seconds until a live request should be scheduled (0 once it runs; None for an id
-    that is not live), from the same estimator as the retry hints. A deadline check
-    belongs here: compare a request's deadline with its ETA."""
+  def eta(self, request_id: str, *, first_token: bool = False) -> float | None:
+    """Seconds until a live request that waits (or sits swapped) should be scheduled, or
+    with `first_token` sample its first token (a preempted one: its next; what a waiting
+    client is told); 0 once it runs, None for an id that is not live. From the same
+    estimator as the retry hints: a deadline check belongs here, comparing a request's
+    deadline with its ETA."""
     request = self.requests.get(request_id)
     if request is None:
       return None
     if request.status is _RUNNING:
       return 0.0
-    return self.admission.wait.eta(request, self.clock(), self._queues())
-
-  def first_token_eta(self, request_id: str) -> float | None:
-    """Seconds until a live request that waits (or sits swapped) is forecast to sample
-    its first token (a preempted one: its next); 0 once it runs, None for an id that is
-    not live. What a waiting client is told, from the estimator of the retry hints."""
-    request = self.requests.get(request_id)
-    if request is None:
-      return None
-    if request.status is _RUNNING:
-      return 0.0
-    return self.admission.wait.first_token_eta(request, self.clock(), self._queues())
+    return self.admission.wait.eta(request, self.clock(), self._queues(),
+                                   first_token=first_token)
 
   def _queues(self) -> Queues:
     """The queues as the wait forecast reads them, and the steps in flight (each starts

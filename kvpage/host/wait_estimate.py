@@ -126,6 +126,13 @@ class WaitEstimator:
     rank = own.rank if own is not None else self._num_ranked
     return sum(held.pages for held in self.reservations.values() if held.rank < rank)
 
+  def num_held(self, now: float) -> int:
+    """Places held in line for refused requests, not yet lapsed (0 with reservations
+    off: the line then shapes hints only)."""
+    if not self.reserve:
+      return 0
+    return sum(held.expires >= now for held in list(self.reservations.values()))
+
   def release(self, request_id: str) -> None:
     """Its holder is admitted: the room is now its backlog."""
     self.reservations.pop(request_id, None)
@@ -206,27 +213,20 @@ class WaitEstimator:
     timeline, _ = self._newcomer_timeline(request, estimate, queues, now)
     return self._hint(seconds_over, timeline)
 
-  def eta(self, request: Request, now: float, queues: forecast.Queues) -> float:
+  def eta(self, request: Request, now: float, queues: forecast.Queues, *,
+          first_token: bool = False) -> float:
     """Seconds until an admitted request holding no device pages is forecast to be
-    scheduled; before any step was priced, 0 at the head of the queue, else
-    `default_retry_after_s`."""
+    scheduled, or with `first_token` to sample its first token (the end of the step
+    computing the last of its prompt). Before any step was priced: at the head of the
+    queue 0 (its idle time to first token), else `default_retry_after_s`."""
     timeline, made, _ = self._timeline(queues, now)
     if timeline is None:
       at_head = not queues.swapped and bool(queues.waiting) and queues.waiting[0] is request
-      return 0.0 if at_head else self.default_s
-    when = timeline.scheduled.get(request.request_id)
-    return self.max_s if when is None else max(0.0, when - (now - made))
-
-  def first_token_eta(self, request: Request, now: float, queues: forecast.Queues) -> float:
-    """Seconds until an admitted request holding no device pages is forecast to sample
-    its first token (the end of the step computing the last of its prompt); before any
-    step was priced, its idle time to first token at the head of the queue, else
-    `default_retry_after_s`."""
-    timeline, made, _ = self._timeline(queues, now)
-    if timeline is None:
-      at_head = not queues.swapped and bool(queues.waiting) and queues.waiting[0] is request
-      return self.idle_first_token_s(request) if at_head else self.default_s
-    when = timeline.first_tokens.get(request.request_id)
+      if not at_head:
+        return self.default_s
+      return self.idle_first_token_s(request) if first_token else 0.0
+    when = (timeline.first_tokens if first_token else timeline.scheduled).get(
+        request.request_id)
     return self.max_s if when is None else max(0.0, when - (now - made))
 
   def newcomer_eta(self, request: Request, estimate: int, now: float,

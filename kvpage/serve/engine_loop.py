@@ -301,7 +301,7 @@ class EngineLoop:
     since = next((e.time for e in reversed(request.events)
                   if e.kind in ("preempted", "admitted")), request.arrival_time)
     state = "preempted" if request.num_preemptions else "queueing"
-    eta = scheduler.first_token_eta(request_id)
+    eta = scheduler.eta(request_id, first_token=True)
     return QueueStatus(state, position, now - since, 0.0 if eta is None else eta)
 
   def _notify_when_idle(self, future: concurrent.futures.Future) -> None:

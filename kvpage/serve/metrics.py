@@ -113,12 +113,8 @@ class ServerMetrics:
     self.evictable_pages.labels(self._model).set(stats["num_evictable_pages"])
 
   def _num_in_line(self) -> int:
-    """Places held for refused requests, not yet lapsed."""
-    wait = getattr(getattr(self.scheduler, "admission", None), "wait", None)
-    if wait is None or not wait.reserve:
-      return 0
-    now = self.scheduler.clock()
-    return sum(held.expires >= now for held in list(wait.reservations.values()))
+    """Places held for refused requests, not yet lapsed (read when scraped)."""
+    return self.scheduler.admission.wait.num_held(self.scheduler.clock())
 
   # Fed by the engine thread.
   def on_step(self, output: Any, new_tokens: dict[str, list[int]],
@@ -132,7 +128,7 @@ class ServerMetrics:
         self.preemptions.labels(self._model, mode).inc(count)
     self.prefix_queries.labels(self._model).inc(row.get("prefix_query_tokens", 0))
     self.prefix_hits.labels(self._model).inc(row.get("prefix_hit_tokens", 0))
-    audit = getattr(self.scheduler, "audit", None)
+    audit = self.scheduler.audit
     for verdict in audit.take() if audit is not None else ():
       self.hint_ratio.labels(self._model, verdict.reason).observe(verdict.ratio)
       if verdict.needed_s is None:
