@@ -68,6 +68,46 @@ def test_the_combination_claim_holds_fails_and_is_undecided_at_a_sweeps_edge():
                               "its sweep, or fewer than three values)")
 
 
+def shipped_table(shipped: dict | None, **goodputs: float) -> dict:
+  """`table` with the shipped line run at its best watermark 0.3 and, unless `shipped` is
+  None, at the shipped watermark with the figures `shipped` gives."""
+  made = table(**{**ALL, **goodputs})
+  watermark = str(line_study.SHIPPED.watermark)
+  by_knob = {"0.3": {"goodput_requests_per_s": 0.95, "num_preemptions": 0.0,
+                     "num_aborted": 0.0}}
+  if shipped is not None:
+    by_knob[watermark] = {"goodput_requests_per_s": 0.9, "num_preemptions": 0.0,
+                          "num_aborted": 0.0, **shipped}
+  made["mix"]["steady"]["5x"]["shipped"] = {
+      "best_knob": "0.3", "best": by_knob["0.3"], "by_knob": by_knob}
+  return made
+
+
+def test_the_shipped_default_serves_holds_fails_and_is_undecided():
+  def verdict_of(shipped, **goodputs):
+    return line_study.claim_shipped_serves(shipped_table(shipped, **goodputs), "mix",
+                                           "steady", "5x")["verdict"]
+
+  # Read at the shipped watermark (0.96 there), not the shipped line's best (0.3).
+  assert verdict_of({"goodput_requests_per_s": 0.96}) == "holds"  # kv+wait 1.0: within 5%
+  assert verdict_of({}) == "fails"  # 0.9 vs 1.0
+  assert verdict_of({"goodput_requests_per_s": 0.5}, kv_wait=0.4) == "fails"  # vs kv 0.9
+  assert verdict_of(None) == "undecided: the shipped watermark was not run"
+  zeros = dict.fromkeys(ALL, 0.0)
+  assert verdict_of({"goodput_requests_per_s": 0.0}, **zeros).startswith("undecided: ")
+
+
+def test_the_shipped_default_keeps_running_requests_holds_fails_and_is_undecided():
+  def verdict_of(shipped):
+    return line_study.claim_shipped_keeps_running(shipped_table(shipped), "mix", "steady",
+                                                  "5x")["verdict"]
+
+  assert verdict_of({}) == "holds"
+  assert verdict_of({"num_preemptions": 0.33}) == "fails"
+  assert verdict_of({"num_aborted": 1.0}) == "fails"
+  assert verdict_of(None) == "undecided: the shipped watermark was not run"
+
+
 def test_every_knob_setting_reads_back_as_its_line():
   measured = {"sharegpt": dict(sustainable_requests_per_s=2.0, pool_tokens=10000,
                                slo_ttft_s=1.0, slo_tpot_s=0.05)}
@@ -105,7 +145,7 @@ def test_a_small_run_states_its_thresholds_and_a_verdict_per_claim(tmp_path):
   for row in record["rows"]:
     assert row["cell"]["slo_ttft"] in {m["slo_ttft_s"]
                                        for m in record["measured"].values()}
-  assert len(record["claims"]) == 4 * len(record["measured"])
+  assert len(record["claims"]) == 6 * len(record["measured"])
   # Every line's best setting carries its token-weighted goodput and, per prompt-length
   # class the mix draws, the share within both SLOs (long/short: two classes).
   best = record["table"]["long/short"]["steady"]["5x"]["kv"]["best"]
