@@ -1,5 +1,6 @@
 r"""The streaming gateway: an OpenAI-compatible server that holds the KV line.
 
+  python -m experiments.serve                                    # the tiny text checkpoint
   python -m experiments.serve --checkpoint=/path/to/llama        # text, chat templates
   python -m experiments.serve --config=configs/tiny.py           # random weights, token ids
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \
@@ -11,6 +12,11 @@ opens, then serves `kvpage.serve.app` with uvicorn; prints the address once it
 listens (`--port=0` picks a free one). SIGTERM or Ctrl-C drains: new requests get 503
 `draining`, live ones run for up to `--drain_timeout_s`, the rest are aborted, and the
 process exits 0; a second Ctrl-C exits at once.
+
+Given no model (neither `--checkpoint` nor `--config`, on the JAX executor), it serves
+text from kvpage's tiny text checkpoint (`models.text_checkpoint`: random weights, a
+real byte-level BPE tokenizer and chat template), made offline once into a cache
+directory, with `configs/tiny.py`'s settings.
 
 `--tensor_parallel=N` steps over N devices; a multi-process run (`--num_processes`,
 docs/multi_device.md) serves HTTP from process 0 while every process steps.
@@ -32,7 +38,9 @@ _CONFIG = cli.define_config("configs/tiny.py",
 _TENSOR_PARALLEL = cli.define_tensor_parallel()
 _PROCESSES = cli.define_processes()
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "Hugging Face Llama checkpoint dir "
-                                  "(with its tokenizer).")
+                                  "(with its tokenizer). Neither this nor --config: kvpage's "
+                                  "tiny text checkpoint, made once (models.text_checkpoint).")
+TEXT_MODEL_NAME = "kvpage-tiny-text"  # what the tiny text checkpoint is served as
 # The gateway's flags are shortcuts for the config's `server` section (`--port=0` sets
 # `--config.server.port=0`): the config is the one record of them.
 _SERVER_FLAGS = {
@@ -120,6 +128,15 @@ def main(argv: list[str]) -> None:
                      "pip install -e '.[serve]'") from None
   from models import hf
 
+  checkpoint, model_name = _CHECKPOINT.value, None
+  made = (not checkpoint and not flags.FLAGS["config"].present and _EXECUTOR.value == "jax")
+  if made:  # no model named: text out of the box
+    from models import text_checkpoint
+
+    checkpoint, model_name = str(text_checkpoint.default_checkpoint()), TEXT_MODEL_NAME
+    print(f"kvpage serve: no --checkpoint or --config: serving kvpage's tiny text "
+          f"checkpoint (random weights, a byte-level BPE tokenizer) from {checkpoint}",
+          flush=True)
   config = cli.load_config_with_mesh(_CONFIG, _TENSOR_PARALLEL)
   cli.initialize_processes(_PROCESSES, _EXECUTOR.value)
   cli.apply_scheduler_shortcuts(config, _SCHEDULER_FLAGS)
@@ -127,7 +144,8 @@ def main(argv: list[str]) -> None:
     config.hardware = _HARDWARE.value
   if _NUM_PAGES.value is not None:
     config.cache.num_pages = _NUM_PAGES.value
-  cli.page_count_for_checkpoint(config, _CHECKPOINT.value, "num_pages")
+  if not made:  # (the tiny text checkpoint is the config's own model: its count holds)
+    cli.page_count_for_checkpoint(config, checkpoint, "num_pages")
   for name, holder in _SERVER_FLAGS.items():
     if holder.value is not None:
       config.server[name] = int(holder.value) if name == "kv_pressure_status" else holder.value
@@ -137,15 +155,15 @@ def main(argv: list[str]) -> None:
   line = cli.hold_serving_line(config)
   cli.apply_retry_policy(config)
   tokenizer, eos_ids = None, ()
-  if _CHECKPOINT.value:
-    tokenizer = hf.load_tokenizer(_CHECKPOINT.value)
-    eos_ids = hf.eos_token_ids(_CHECKPOINT.value, tokenizer)
+  if checkpoint:
+    tokenizer = hf.load_tokenizer(checkpoint)
+    eos_ids = hf.eos_token_ids(checkpoint, tokenizer)
   cli.enable_compilation_cache(_COMPILATION_CACHE.value)
-  if _CHECKPOINT.value and _EXECUTOR.value == "sim":
+  if checkpoint and _EXECUTOR.value == "sim":
     raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
   setup = cli.serving_engine(config, executor=_EXECUTOR.value,
                              hardware=hardware_lib.get_hardware(config.hardware),
-                             checkpoint=_CHECKPOINT.value, paced=True)
+                             checkpoint=checkpoint, paced=True)
   if tokenizer is not None and len(tokenizer) > setup.config.model.vocab_size:
     raise ValueError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                      f"is {setup.config.model.vocab_size}")
@@ -154,13 +172,16 @@ def main(argv: list[str]) -> None:
   print(f"kvpage serve: admission: {config.scheduler.admission}, watermark "
         f"{config.scheduler.watermark:g}; {line}", flush=True)
   try:
-    _serve(setup, tokenizer, eos_ids)
+    _serve(setup, tokenizer, eos_ids,
+           model_name or (checkpoint.rstrip("/").split("/")[-1] if checkpoint
+                    else setup.config.model.name))
   finally:
     build.stop_followers(setup.engine)
 
 
-def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...]) -> None:
-  """Warms the engine up, then serves HTTP until a signal drains it."""
+def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...],
+           name: str) -> None:
+  """Warms the engine up, then serves HTTP as model `name` until a signal drains it."""
   from kvpage.serve import app as app_lib
   from kvpage.serve import server as server_lib
 
@@ -175,8 +196,6 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...]) 
     print(f"kvpage serve: {compiled}; timed {priced} step shapes for the wait forecast",
           flush=True)
   server = setup.config.server
-  name = (_CHECKPOINT.value.rstrip("/").split("/")[-1] if _CHECKPOINT.value
-          else setup.config.model.name)
   keys = api_keys()
   server_config = app_lib.ServerConfig.from_config(
       server, model_name=name, max_model_len=engine.scheduler.max_model_len,

@@ -9,7 +9,7 @@ it needs neither torch nor the network.
 
 from __future__ import annotations
 
-import json
+import os
 import pathlib
 import re
 import signal
@@ -18,10 +18,9 @@ import sys
 import threading
 import time
 
-import numpy as np
-import safetensors.numpy
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from models import text_checkpoint
 
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 MODEL_MAX_LENGTH = 512
@@ -65,45 +64,13 @@ People also write emoji 🙂 😀 👍 🎉 and symbols such as €, £, ©, →
 
 def _tokenizer(vocab_size: int) -> tokenizers.Tokenizer:
   """A byte-level BPE tokenizer trained on `_CORPUS`; specials take ids 0, 1, 2."""
-  tokenizer = tokenizers.Tokenizer(models.BPE())
-  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tokenizer.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS, PAD],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
-  tokenizer.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+  tokenizer = text_checkpoint.train_tokenizer(_CORPUS.splitlines(keepends=True), vocab_size,
+                                              (BOS, EOS, PAD))
   if tokenizer.get_vocab_size(with_added_tokens=True) != vocab_size:
     raise ValueError(f"the built-in corpus trains only "
                      f"{tokenizer.get_vocab_size(with_added_tokens=True)} tokens, not "
                      f"vocab_size={vocab_size}; ask for fewer")
   return tokenizer
-
-
-def _weights(vocab_size: int, seed: int) -> dict[str, np.ndarray]:
-  """Random fp32 tensors named as in HF `LlamaForCausalLM`, linear weights `[out, in]`."""
-  rng = np.random.default_rng(seed)
-  normal = lambda *shape: rng.normal(0.0, 0.08, shape).astype(np.float32)
-  ones = lambda: np.ones((_HIDDEN,), np.float32)
-  tensors = {"model.embed_tokens.weight": normal(vocab_size, _HIDDEN)}
-  for i in range(_LAYERS):
-    layer = f"model.layers.{i}"
-    tensors.update({
-        f"{layer}.input_layernorm.weight": ones(),
-        f"{layer}.self_attn.q_proj.weight": normal(_HEADS * _HEAD_DIM, _HIDDEN),
-        f"{layer}.self_attn.k_proj.weight": normal(_KV_HEADS * _HEAD_DIM, _HIDDEN),
-        f"{layer}.self_attn.v_proj.weight": normal(_KV_HEADS * _HEAD_DIM, _HIDDEN),
-        f"{layer}.self_attn.o_proj.weight": normal(_HIDDEN, _HEADS * _HEAD_DIM),
-        f"{layer}.post_attention_layernorm.weight": ones(),
-        f"{layer}.mlp.gate_proj.weight": normal(_FFN, _HIDDEN),
-        f"{layer}.mlp.up_proj.weight": normal(_FFN, _HIDDEN),
-        f"{layer}.mlp.down_proj.weight": normal(_HIDDEN, _FFN)})
-  tensors["model.norm.weight"] = ones()
-  tensors["lm_head.weight"] = normal(vocab_size, _HIDDEN)
-  return tensors
-
-
-def _write_json(path: pathlib.Path, value: dict) -> None:
-  path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n")
 
 
 def make_served_checkpoint(directory: pathlib.Path, *, vocab_size: int = 384,
@@ -115,32 +82,23 @@ def make_served_checkpoint(directory: pathlib.Path, *, vocab_size: int = 384,
   adds no special tokens; the chat template starts with `<s>` and ends each turn with
   `</s>`, the eos. The same `seed` writes the same bytes.
   """
-  directory = pathlib.Path(directory)
-  directory.mkdir(parents=True, exist_ok=True)
   tokenizer = _tokenizer(vocab_size)
   ids = {token: tokenizer.token_to_id(token) for token in (BOS, EOS, PAD)}
   assert all(i is not None and i < vocab_size for i in ids.values()), ids
-  tokenizer.save(str(directory / "tokenizer.json"))
-  _write_json(directory / "tokenizer_config.json", {
-      "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-      "pad_token": PAD, "model_max_length": MODEL_MAX_LENGTH,
-      "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE})
-  _write_json(directory / "special_tokens_map.json",
-              {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
-  _write_json(directory / "config.json", {
-      "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-      "vocab_size": vocab_size, "hidden_size": _HIDDEN, "intermediate_size": _FFN,
-      "num_hidden_layers": _LAYERS, "num_attention_heads": _HEADS,
-      "num_key_value_heads": _KV_HEADS, "head_dim": _HEAD_DIM, "hidden_act": "silu",
-      "max_position_embeddings": MODEL_MAX_LENGTH, "rms_norm_eps": 1e-5,
-      "rope_theta": 10000.0, "tie_word_embeddings": False, "attention_bias": False,
-      "mlp_bias": False, "torch_dtype": "float32", "bos_token_id": ids[BOS],
-      "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]})
-  _write_json(directory / "generation_config.json", {
-      "bos_token_id": ids[BOS], "eos_token_id": ids[EOS], "pad_token_id": ids[PAD]})
-  safetensors.numpy.save_file(_weights(vocab_size, seed), directory / "model.safetensors",
-                              metadata={"format": "pt"})
-  return directory
+  config = text_checkpoint.llama_config(
+      vocab_size=vocab_size, hidden_size=_HIDDEN, intermediate_size=_FFN, num_layers=_LAYERS,
+      num_heads=_HEADS, num_kv_heads=_KV_HEADS, head_dim=_HEAD_DIM, max_len=MODEL_MAX_LENGTH,
+      special=dict(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD]))
+  return text_checkpoint.write(
+      directory, config=config, tokenizer=tokenizer,
+      tensors=text_checkpoint.random_weights(config, seed, std=0.08),
+      tokenizer_config={
+          "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+          "pad_token": PAD, "model_max_length": MODEL_MAX_LENGTH,
+          "clean_up_tokenization_spaces": False, "chat_template": CHAT_TEMPLATE},
+      generation_config={"bos_token_id": ids[BOS], "eos_token_id": ids[EOS],
+                         "pad_token_id": ids[PAD]},
+      special_tokens_map={"bos_token": BOS, "eos_token": EOS, "pad_token": PAD})
 
 
 class ServerProcess:
@@ -155,14 +113,15 @@ class ServerProcess:
 
   STARTUP_TIMEOUT_S = 600
 
-  def __init__(self, *flags: str, cache_dir: pathlib.Path):
+  def __init__(self, *flags: str, cache_dir: pathlib.Path, env: dict[str, str] | None = None):
     root = pathlib.Path(__file__).resolve().parents[1]
     command = [sys.executable, "-m", "experiments.serve", "--host=127.0.0.1", "--port=0",
                f"--compilation_cache={cache_dir}",
                *([] if any("ttft_line_s" in flag for flag in flags) else ["--ttft_line_s=0"]),
                *flags]
     self.process = subprocess.Popen(command, cwd=root, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+                                    stderr=subprocess.PIPE, text=True,
+                                    env=None if env is None else {**os.environ, **env})
     self.lines: list[str] = []
     deadline = time.monotonic() + self.STARTUP_TIMEOUT_S
     self.url = ""
