@@ -36,7 +36,9 @@ PLACEHOLDER = -1
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """How to pick tokens and when to stop; `max_tokens` bounds the generated tokens."""
+  """How to pick tokens and when to stop; `max_tokens` bounds the generated tokens. A
+  token of `stop_token_ids` ends the request (unless `ignore_eos`), once it has more
+  than `min_tokens` tokens."""
 
   max_tokens: int
   temperature: float = 0.0
@@ -45,6 +47,7 @@ class SamplingParams:
   seed: int | None = None
   stop_token_ids: tuple[int, ...] = ()
   ignore_eos: bool = False
+  min_tokens: int = 0
 
   def __post_init__(self) -> None:
     if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -55,6 +58,9 @@ class SamplingParams:
       raise ValueError(
           f"need finite temperature >= 0, 0 <= top_k < 2^31 and 0 < top_p <= 1; got "
           f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}")
+    if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+      raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                       f"got {self.min_tokens!r}")
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
@@ -158,7 +164,8 @@ class Request:
 
   def stop_reason(self, token: int) -> str | None:
     """Why the request ends after sampling `token`: "stop", "length", or None to go on."""
-    if token in self.sampling.stop_token_ids and not self.sampling.ignore_eos:
+    if (token in self.sampling.stop_token_ids and not self.sampling.ignore_eos
+        and len(self.output_ids) > self.sampling.min_tokens):
       return "stop"
     if len(self.output_ids) >= self.sampling.max_tokens:
       return "length"

@@ -78,6 +78,25 @@ def test_stop_strings_match_across_pushes_and_hold_back_a_partial_match():
   first = StopStrings(["b", "abc"])
   assert first.push("xabc") == "x"  # the earliest match wins ("abc" at 1, not "b" at 2)
   assert StopStrings([]).push("anything") == "anything"
+  assert first.matched == "abc" and stops.matched == "END"
+  kept = StopStrings(["END"], include=True)  # include_stop_str_in_output
+  assert kept.push("the E") == "the " and kept.push("ND and more") == "END"
+  # min_tokens: text pushed while not armed is passed through unsearched.
+  early = StopStrings(["END"])
+  assert early.push("END", armed=False) == "END" and not early.stopped
+  assert early.push("x E", armed=True) == "x " and early.push("ND") == ""
+  assert early.stopped
+
+
+def test_special_tokens_show_in_the_text_only_when_asked(tokenizer):
+  from serve_utils import EOS
+
+  output = [*tokenizer.encode("Hello"), tokenizer.convert_tokens_to_ids(EOS),
+            *tokenizer.encode(" there")]
+  for skip in (True, False):
+    detokenizer = IncrementalDetokenizer(tokenizer, [5], skip_special_tokens=skip)
+    text = detokenizer.push(output) + detokenizer.flush()
+    assert text == ("Hello there" if skip else f"Hello{EOS} there")
 
 
 @pytest.mark.parametrize(("body", "param", "code"), [

@@ -229,23 +229,34 @@ class Gateway:
     if self.loop is None or not self.loop.alive:
       raise ApiError(500, f"the engine stopped: {self.loop and self.loop.failure}",
                      "server_error", "engine_dead")
+    created = int(time.time())  # the response's `created`: when the request came
     prompt_ids = await self._prompt_ids(gen)
     max_tokens = gen.max_tokens or (
         max(1, self.config.max_model_len - len(prompt_ids)) if gen.chat
         else DEFAULT_COMPLETION_TOKENS)
+    if gen.min_tokens > max_tokens:  # (only a default max_tokens can fall short here)
+      raise protocol.invalid("min_tokens", f"'min_tokens' ({gen.min_tokens}) exceeds the "
+                             f"{max_tokens} tokens the context leaves after the prompt")
+    # The client's stop tokens end the request even with ignore_eos (vLLM's meaning).
+    eos = () if gen.ignore_eos else self.config.eos_token_ids
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
-        seed=gen.seed, stop_token_ids=() if gen.ignore_eos else self.config.eos_token_ids,
-        ignore_eos=gen.ignore_eos)
+        seed=gen.seed, stop_token_ids=tuple(dict.fromkeys((*gen.stop_token_ids, *eos))),
+        min_tokens=gen.min_tokens)
     request_id = self._request_id(gen, http)
     submission = Submission(request_id, prompt_ids, sampling, gen.priority,
-                            self._deadline(gen, http), gen.stop, arrived)
+                            self._deadline(gen, http), gen.stop, arrived,
+                            include_stop_str=gen.include_stop_str_in_output,
+                            skip_special_tokens=gen.skip_special_tokens,
+                            own_stop_token_ids=tuple(
+                                i for i in gen.stop_token_ids if i not in eos))
     try:
       answer, stream = await self.loop.submit(submission)
     except EngineStoppedError as error:
       raise ApiError(500, f"the engine stopped: {error}", "server_error", "engine_dead") from None
     if stream is None:
       raise self._refusal(answer)
+    stream.created = created
     if gen.stream:
       return responses.StreamingResponse(
           self._events(gen, stream), media_type="text/event-stream",
@@ -340,7 +351,10 @@ class Gateway:
 
   # Answers.
   def _chunk(self, gen: GenerationRequest, stream: Stream, text: str | None,
-             token_ids: tuple[int, ...], finish_reason: str | None) -> dict[str, Any]:
+             token_ids: tuple[int, ...], finish_reason: str | None,
+             last: Delta | None = None) -> dict[str, Any]:
+    """One streamed chunk; `last`, the delta it carries (its count of output tokens for
+    continuous usage, and on the final chunk why it stopped)."""
     choice: dict[str, Any] = {"index": 0}
     if gen.chat:
       choice["delta"] = {} if text is None else {"content": text}
@@ -348,22 +362,27 @@ class Gateway:
       choice["text"] = text or ""
     choice["logprobs"] = None
     choice["finish_reason"] = finish_reason
+    choice["stop_reason"] = last.stop_reason if finish_reason and last else None
     if gen.return_token_ids or self.tokenizer is None:
       choice["token_ids"] = list(token_ids)
-    return {"id": stream.request_id,
-            "object": "chat.completion.chunk" if gen.chat else "text_completion",
-            "created": self.created, "model": self.config.model_name, "choices": [choice]}
+    chunk = {"id": stream.request_id,
+             "object": "chat.completion.chunk" if gen.chat else "text_completion",
+             "created": stream.created, "model": self.config.model_name, "choices": [choice]}
+    if gen.include_usage:  # OpenAI: null on every chunk but the last; vLLM: so far
+      chunk["usage"] = (self._usage(stream, last.num_output_tokens if last else 0)
+                        if gen.continuous_usage else None)
+    return chunk
 
-  def _usage(self, stream: Stream, last: Delta) -> dict[str, int]:
+  def _usage(self, stream: Stream, num_output_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": stream.num_prompt_tokens,
-            "completion_tokens": last.num_output_tokens,
-            "total_tokens": stream.num_prompt_tokens + last.num_output_tokens}
+            "completion_tokens": num_output_tokens,
+            "total_tokens": stream.num_prompt_tokens + num_output_tokens}
 
   def _status_chunk(self, gen: GenerationRequest, stream: Stream,
                     status: QueueStatus) -> dict[str, Any]:
     return {"id": stream.request_id,
             "object": "chat.completion.chunk" if gen.chat else "text_completion",
-            "created": self.created, "model": self.config.model_name, "choices": [],
+            "created": stream.created, "model": self.config.model_name, "choices": [],
             "status": {"state": status.state, "position": status.position,
                        "waited_s": round(status.waited_s, 3), "eta_s": round(status.eta_s, 3)}}
 
@@ -382,9 +401,9 @@ class Gateway:
     state, told_waiting = "queueing", False
     try:
       if gen.chat:
-        yield _sse(self._chunk(gen, stream, "", (), None) | {
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                         "logprobs": None, "finish_reason": None}]})
+        first = self._chunk(gen, stream, "", (), None)
+        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+        yield _sse(first)
       while True:
         # While waiting, a status line whenever nothing came for an interval.
         delta = await stream.next(None if state == "running" else self.config.status_interval_s)
@@ -408,13 +427,13 @@ class Gateway:
           yield b"data: [DONE]\n\n"
           return
         if delta.text or (delta.token_ids and self._shows_tokens(gen)):
-          yield _sse(self._chunk(gen, stream, delta.text, delta.token_ids, None))
+          yield _sse(self._chunk(gen, stream, delta.text, delta.token_ids, None, delta))
         if delta.finish_reason is not None:
           ended = True
-          yield _sse(self._chunk(gen, stream, None, (), delta.finish_reason))
+          yield _sse(self._chunk(gen, stream, None, (), delta.finish_reason, delta))
           if gen.include_usage:
             yield _sse(self._chunk(gen, stream, None, (), None) | {
-                "choices": [], "usage": self._usage(stream, delta)})
+                "choices": [], "usage": self._usage(stream, delta.num_output_tokens)})
           yield b"data: [DONE]\n\n"
           return
     finally:
@@ -447,13 +466,14 @@ class Gateway:
       choice["message"] = {"role": "assistant", "content": text}
     else:
       choice["text"] = text
-    choice |= {"logprobs": None, "finish_reason": last.finish_reason}
+    choice |= {"logprobs": None, "finish_reason": last.finish_reason,
+               "stop_reason": last.stop_reason}
     if self._shows_tokens(gen):
       choice["token_ids"] = token_ids
     return responses.JSONResponse({
         "id": stream.request_id, "object": "chat.completion" if gen.chat else "text_completion",
-        "created": self.created, "model": self.config.model_name, "choices": [choice],
-        "usage": self._usage(stream, last)})
+        "created": stream.created, "model": self.config.model_name, "choices": [choice],
+        "usage": self._usage(stream, last.num_output_tokens)})
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -69,23 +69,33 @@ class IncrementalDetokenizer:
 
 
 class StopStrings:
-  """The text before the first stop string, streamed; `stopped` once one matched."""
+  """The text before the first stop string (or through it, with `include`), streamed;
+  `stopped` once one matched, `matched` the one that did."""
 
-  def __init__(self, stops: Sequence[str]):
+  def __init__(self, stops: Sequence[str], *, include: bool = False):
     self.stops = tuple(stop for stop in stops if stop)
+    self.include = include
     self.stopped = False
+    self.matched: str | None = None
     self._held = ""  # a tail that may be the start of a stop string
 
-  def push(self, text: str) -> str:
+  def push(self, text: str, armed: bool = True) -> str:
     """Adds text; returns what can be emitted. After a match, returns the text before
-    it, sets `stopped`, and ignores anything later."""
+    it (through it, with `include`), sets `stopped`, and ignores anything later. Text
+    pushed while not `armed` (the request has fewer than its `min_tokens`) is not
+    searched."""
     if self.stopped or not self.stops:
       return "" if self.stopped else text
+    if not armed:
+      held, self._held = self._held, ""
+      return held + text
     text = self._held + text
-    found = [index for index in (text.find(stop) for stop in self.stops) if index >= 0]
+    found = [(index, stop) for index, stop in ((text.find(stop), stop) for stop in self.stops)
+             if index >= 0]
     if found:
-      self.stopped, self._held = True, ""
-      return text[:min(found)]
+      index, stop = min(found)
+      self.stopped, self.matched, self._held = True, stop, ""
+      return text[:index + len(stop)] if self.include else text[:index]
     keep = max((k for stop in self.stops for k in range(1, len(stop))
                 if text.endswith(stop[:k])), default=0)
     self._held = text[len(text) - keep:] if keep else ""

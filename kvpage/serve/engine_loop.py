@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,6 +52,9 @@ class Submission:
   max_queue_wait_s: float | None = None
   stop: tuple[str, ...] = ()
   arrival_time: float | None = None  # on the engine's clock; None: when the engine sees it
+  include_stop_str: bool = False  # a matched stop string ends the text (else cut before it)
+  skip_special_tokens: bool = True
+  own_stop_token_ids: tuple[int, ...] = ()  # the client's (not EOS): named as stop_reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +71,9 @@ class Delta:
   preempted: bool = False
   num_output_tokens: int = 0
   retry_after: float | None = None  # "deadline": when a retry would meet the deadline
+  # What stopped it, as vLLM names it: the stop string, or the client's stop token id;
+  # None for EOS, length and the rest.
+  stop_reason: str | int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +99,7 @@ class Stream:
     self.request = request
     self.request_id = request.request_id
     self.num_prompt_tokens = request.num_prompt_tokens
+    self.created = int(time.time())  # the responses' `created` (the gateway sets arrival)
     self.done = loop.create_future()  # resolved with the last delta
     self._loop = loop
     self._pending: collections.deque[Delta] = collections.deque()
@@ -138,6 +146,7 @@ class _Tracked:
   stream: Stream
   detokenizer: IncrementalDetokenizer | None
   stops: StopStrings
+  own_stop_token_ids: tuple[int, ...] = ()
 
 
 class EngineStoppedError(RuntimeError):
@@ -267,11 +276,13 @@ class EngineLoop:
     if not answer.admitted:  # counted as a rejection where it is answered, in the app
       return answer, None
     self.metrics.recorder.track(request)
-    detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_ids)
+    detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
+                                          skip_special_tokens=submission.skip_special_tokens)
                    if self.tokenizer is not None else None)
     stream = Stream(request, self.loop)
-    self._tracked[request.request_id] = _Tracked(request, stream, detokenizer,
-                                                 StopStrings(submission.stop))
+    stops = StopStrings(submission.stop, include=submission.include_stop_str)
+    self._tracked[request.request_id] = _Tracked(request, stream, detokenizer, stops,
+                                                 submission.own_stop_token_ids)
     return answer, stream
 
   def _abort(self, request_id: str, reason: str) -> None:
@@ -344,11 +355,14 @@ class EngineLoop:
     """The delta of one request's output; ends it here on a stop string."""
     text = ""
     if tracked.detokenizer is not None and output.new_token_ids:
-      text = tracked.stops.push(tracked.detokenizer.push(output.new_token_ids))
+      # (`min_tokens`: no stop string ends a request before it has that many tokens)
+      armed = tracked.request.num_output_tokens >= tracked.request.sampling.min_tokens
+      text = tracked.stops.push(tracked.detokenizer.push(output.new_token_ids), armed)
     if tracked.stops.stopped:  # matched: end now, before another token is computed
       if not output.finished:
         self.engine.abort(output.request_id, "stop")
-      return self._end(tracked, output.new_token_ids, "stop", text, deliver=False)
+      return self._end(tracked, output.new_token_ids, "stop", text, deliver=False,
+                       stop_reason=tracked.stops.matched)
     if output.finished:
       reason = output.finish_reason or "aborted"
       # A passed deadline is an error for the client, not one of OpenAI's reasons.
@@ -357,16 +371,19 @@ class EngineLoop:
         hint = self.engine.scheduler.deadline_retry_after(tracked.request)
       else:
         reason = FINISH_REASONS.get(reason, "abort")
+      last = tracked.request.output_ids[-1:] or [None]
+      stop_reason = (last[0] if reason == "stop" and last[0] in tracked.own_stop_token_ids
+                     else None)
       return self._end(tracked, output.new_token_ids, reason, text, deliver=False,
-                       retry_after=hint)
+                       retry_after=hint, stop_reason=stop_reason)
     if not text and not output.new_token_ids:
       return None
     return Delta(text, tuple(output.new_token_ids),
                  num_output_tokens=tracked.request.num_output_tokens)
 
   def _end(self, tracked: _Tracked, token_ids: Sequence[int], finish_reason: str,
-           text: str = "", *, deliver: bool = True,
-           retry_after: float | None = None) -> Delta:
+           text: str = "", *, deliver: bool = True, retry_after: float | None = None,
+           stop_reason: str | int | None = None) -> Delta:
     """The last delta of a request: held-back text flushed, metrics read, forgotten."""
     del self._tracked[tracked.request.request_id]
     if tracked.detokenizer is not None and not tracked.stops.stopped:
@@ -374,7 +391,8 @@ class EngineLoop:
       text += tracked.stops.flush()
     self.metrics.ended(tracked.request)
     delta = Delta(text, tuple(token_ids), finish_reason,
-                  num_output_tokens=tracked.request.num_output_tokens, retry_after=retry_after)
+                  num_output_tokens=tracked.request.num_output_tokens, retry_after=retry_after,
+                  stop_reason=stop_reason)
     if deliver:
       self.loop.call_soon_threadsafe(tracked.stream._deliver, delta)
     return delta

@@ -8,9 +8,14 @@ set to anything but their no-op default — a client that asked for them must no
 an answer computed without them. Unknown fields are refused too; `user` is accepted as
 the metadata it is.
 
-kvpage's own fields, as vLLM adds its own: `top_k`, `ignore_eos`, `priority` (lower =
-more important), `return_token_ids` (each choice carries its `token_ids`),
-`max_queue_wait_s` (the wait deadline) and, in `stream_options`, `include_status`.
+Beyond OpenAI's fields, the extensions of vLLM's server that clients send, with vLLM's
+meaning: `top_k`, `ignore_eos` (EOS does not end the request; `stop_token_ids` still
+do), `min_tokens` (no stop token or stop string ends the request before it has this
+many tokens), `stop_token_ids`, `include_stop_str_in_output`, `skip_special_tokens`
+(default true), `priority` (lower = more important), `return_token_ids` (each choice
+carries its `token_ids`) and, in `stream_options`, `continuous_usage_stats` (with
+`include_usage`: usage so far in every chunk). kvpage's own: `max_queue_wait_s` (the
+wait deadline) and, in `stream_options`, `include_status`. `ACCEPTED` lists them all.
 """
 
 import dataclasses
@@ -21,6 +26,7 @@ SEED_LIMIT = 2**32  # sampling keys are 32-bit on the device
 INT32_LIMIT = 2**31
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
+MAX_STOP_TOKEN_IDS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Implemented nowhere in kvpage: accepted only at the value that means "off".
@@ -28,15 +34,21 @@ _NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
     "echo": (None, False), "suffix": (None,), "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-    "repetition_penalty": (None, 1), "min_tokens": (None, 0), "tools": (None, []),
+    "repetition_penalty": (None, 1), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
     "parallel_tool_calls": (None,), "response_format": (None, {"type": "text"}),
 }
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-           "ignore_eos", "priority", "stream", "stream_options", "return_token_ids",
+           "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
+           "skip_special_tokens", "priority", "stream", "stream_options", "return_token_ids",
            "max_queue_wait_s", "user")
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_status")
 COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", *_NO_OP_DEFAULTS))
 CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", *_NO_OP_DEFAULTS))
+# Every field each endpoint takes (the options in `_NO_OP_DEFAULTS` at their "off" only).
+ACCEPTED = {"/v1/completions": sorted(COMPLETION_FIELDS),
+            "/v1/chat/completions": sorted(CHAT_FIELDS),
+            "stream_options": list(STREAM_OPTIONS)}
 
 
 class ApiError(Exception):
@@ -82,9 +94,14 @@ class GenerationRequest:
   seed: int | None = None
   stop: tuple[str, ...] = ()
   ignore_eos: bool = False
+  min_tokens: int = 0
+  stop_token_ids: tuple[int, ...] = ()
+  include_stop_str_in_output: bool = False
+  skip_special_tokens: bool = True
   priority: int = 0
   stream: bool = False
   include_usage: bool = False
+  continuous_usage: bool = False  # with include_usage: usage so far in every chunk
   include_status: bool = False
   return_token_ids: bool = False
   max_queue_wait_s: float | None = None
@@ -180,6 +197,17 @@ def _stop(body: dict) -> tuple[str, ...]:
   return tuple(scalar_values(stop, "stop") for stop in stops)
 
 
+def _stop_token_ids(body: dict) -> tuple[int, ...]:
+  value = body.get("stop_token_ids")
+  if value is None:
+    return ()
+  if (not isinstance(value, list) or len(value) > MAX_STOP_TOKEN_IDS
+      or not all(_is_int(i) and 0 <= i < INT32_LIMIT for i in value)):
+    raise invalid("stop_token_ids", f"'stop_token_ids' must be a list of at most "
+                  f"{MAX_STOP_TOKEN_IDS} token ids (integers >= 0)")
+  return tuple(value)
+
+
 def _common(body: dict, *, chat: bool, max_tokens_field: str = "max_tokens") -> dict:
   """The fields both endpoints share, checked."""
   model = body.get("model")
@@ -192,14 +220,22 @@ def _common(body: dict, *, chat: bool, max_tokens_field: str = "max_tokens") -> 
   if options is not None:
     if not stream:
       raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
-    if not isinstance(options, dict) or set(options) - {"include_usage", "include_status"}:
-      raise invalid("stream_options", "'stream_options' takes 'include_usage' and "
-                    "'include_status' (true or false)")
+    if not isinstance(options, dict) or set(options) - set(STREAM_OPTIONS):
+      raise invalid("stream_options", f"'stream_options' takes {', '.join(STREAM_OPTIONS)} "
+                    "(each true or false)")
   options = options or {}
   top_k = _int(body, "top_k", -1, INT32_LIMIT, 0)
+  max_tokens = _int(body, max_tokens_field, 1, INT32_LIMIT, None)
+  min_tokens = _int(body, "min_tokens", 0, INT32_LIMIT, 0) or 0
+  if max_tokens is not None and min_tokens > max_tokens:
+    raise invalid("min_tokens", f"'min_tokens' ({min_tokens}) exceeds '{max_tokens_field}' "
+                  f"({max_tokens})")
   return dict(
-      chat=chat, model=model,
-      max_tokens=_int(body, max_tokens_field, 1, INT32_LIMIT, None),
+      chat=chat, model=model, max_tokens=max_tokens, min_tokens=min_tokens,
+      stop_token_ids=_stop_token_ids(body),
+      include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
+      skip_special_tokens=_bool(body, "skip_special_tokens", True),
+      continuous_usage=_bool(options, "continuous_usage_stats"),
       temperature=_number(body, "temperature", 1.0, low=0.0, high=100.0),
       top_p=_number(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
       top_k=max(0, top_k or 0),  # -1 (vLLM) and 0 both mean off

@@ -1,0 +1,142 @@
+"""vLLM's request extensions, as clients send them, against a real server process:
+`stream_options.continuous_usage_stats`, `min_tokens`, `stop_token_ids`,
+`include_stop_str_in_output` (and `skip_special_tokens`, in `test_serve_parts`, as
+random weights seldom sample a special token); `"usage": null` on streamed chunks;
+`stop_reason`; `created` per request. And a third-party load generator's default
+streaming bodies, served with usage in every chunk."""
+
+import json
+import time
+
+import pytest
+from serve_utils import ServerProcess, make_served_checkpoint
+
+httpx = pytest.importorskip("httpx")
+
+SERVER_FLAGS = ("--num_pages=64", "--max_num_seqs=8", "--max_num_batched_tokens=128",
+                "--chunk_size=64", "--warmup_sampling=false")
+PROMPT = "The cache holds"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  return make_served_checkpoint(tmp_path_factory.mktemp("served"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint, cache_dir):
+  process = ServerProcess(f"--checkpoint={checkpoint}", *SERVER_FLAGS, cache_dir=cache_dir)
+  yield process
+  assert process.stop() == 0, "".join(process.stderr)
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+  return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+def _events(response: httpx.Response) -> list[dict]:
+  lines = [line[len("data: "):] for line in response.text.splitlines()
+           if line.startswith("data: ")]
+  assert lines[-1] == "[DONE]"
+  return [json.loads(line) for line in lines[:-1]]
+
+
+def _greedy(server, max_tokens: int = 16, **extra) -> dict:
+  answer = _post(server, "/v1/completions", {
+      "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+      "return_token_ids": True, **extra})
+  assert answer.status_code == 200, answer.text
+  return answer.json()
+
+
+def test_usage_is_null_on_each_chunk_or_so_far_with_continuous_usage_stats(server):
+  body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+          "stream": True}
+  plain = _events(_post(server, "/v1/completions", {
+      **body, "stream_options": {"include_usage": True}}))
+  assert all(chunk["usage"] is None for chunk in plain[:-1])
+  assert plain[-1]["usage"]["completion_tokens"] == 8 and plain[-1]["choices"] == []
+  continuous = _events(_post(server, "/v1/completions", {
+      **body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}))
+  counts = [chunk["usage"]["completion_tokens"] for chunk in continuous]
+  assert counts == sorted(counts) and counts[-1] == 8 and counts[0] >= 1
+  assert all(chunk["usage"]["total_tokens"] == chunk["usage"]["prompt_tokens"] + count
+             for chunk, count in zip(continuous, counts, strict=True))
+  without = _events(_post(server, "/v1/completions", body))
+  assert all("usage" not in chunk for chunk in without)
+
+
+def test_a_load_generators_default_streaming_bodies_are_served_with_usage_in_every_chunk(
+    server):
+  # The bodies a benchmark client in the vLLM ecosystem sends by default (its OpenAI
+  # backends): streaming, usage requested in every chunk, ignore_eos in extra body.
+  options = {"include_usage": True, "continuous_usage_stats": True}
+  completion = {"model": None, "prompt": PROMPT, "temperature": 0.0, "max_tokens": 6,
+                "logprobs": None, "stream": True, "stream_options": options,
+                "ignore_eos": True}
+  chat = {"model": None, "messages": [{"role": "user", "content": [
+              {"type": "text", "text": "Hello"}]}], "temperature": 0.0,
+          "max_completion_tokens": 6, "stream": True, "stream_options": options,
+          "ignore_eos": True}
+  for path, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+    response = _post(server, path, {k: v for k, v in body.items() if v is not None})
+    assert response.status_code == 200, response.text
+    chunks = _events(response)
+    assert all(chunk["usage"] is not None for chunk in chunks)
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_stop_token_ids_stop_with_their_id_as_stop_reason_after_min_tokens(server):
+  ids = _greedy(server)["choices"][0]["token_ids"]
+  stop = ids[2]
+  first = ids.index(stop)  # where greedy decoding first samples it
+  stopped = _greedy(server, stop_token_ids=[stop])["choices"][0]
+  assert stopped["finish_reason"] == "stop" and stopped["stop_reason"] == stop
+  assert stopped["token_ids"] == ids[:first + 1]
+  # min_tokens: no stop before that many tokens; the same id stops at its next draw.
+  later = [i for i, token in enumerate(ids) if token == stop and i >= first + 1]
+  held = _greedy(server, stop_token_ids=[stop], min_tokens=first + 1)["choices"][0]
+  if later:
+    assert held["token_ids"] == ids[:later[0] + 1] and held["stop_reason"] == stop
+  else:
+    assert held["token_ids"] == ids and held["finish_reason"] == "length"
+  length = _greedy(server)["choices"][0]
+  assert length["finish_reason"] == "length" and length["stop_reason"] is None
+
+
+def test_stop_strings_name_themselves_and_may_stay_in_the_text(server):
+  text = _greedy(server)["choices"][0]["text"]
+  stop = text[3:6]
+  cut = _greedy(server, stop=[stop])["choices"][0]
+  kept = _greedy(server, stop=[stop], include_stop_str_in_output=True)["choices"][0]
+  at = text.index(stop)
+  assert cut["text"] == text[:at] and cut["stop_reason"] == stop
+  assert kept["text"] == text[:at + len(stop)] and kept["stop_reason"] == stop
+  assert cut["finish_reason"] == kept["finish_reason"] == "stop"
+  # Streamed, the last chunk names it too.
+  chunks = _events(_post(server, "/v1/completions", {
+      "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stop": [stop],
+      "stream": True}))
+  assert chunks[-1]["choices"][0]["stop_reason"] == stop
+  assert all(chunk["choices"][0]["stop_reason"] is None for chunk in chunks[:-1])
+
+
+def test_created_is_each_requests_own_time(server):
+  before = int(time.time())
+  answer = _greedy(server, max_tokens=2)
+  assert before <= answer["created"] <= int(time.time()) + 1
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids"),
+    ({"stop_token_ids": list(range(17))}, "stop_token_ids"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": 1}},
+     "continuous_usage_stats"),
+])
+def test_bad_extension_values_are_400s_that_name_the_field(server, body, param):
+  answer = _post(server, "/v1/completions", {"prompt": PROMPT, **body})
+  assert answer.status_code == 400, answer.text
+  assert answer.json()["error"]["param"] == param
