@@ -409,3 +409,70 @@ def test_a_stream_hands_over_deltas_in_order_and_times_out_with_none():
   first, second, third, stream = asyncio.run(run())
   assert [d.text for d in (first, second, third)] == ["x", "y", "z"]
   assert stream.done.result() is third and stream.delivered() == []
+
+
+# vLLM's metrics (its v1 engine's Prometheus names and labels): what a dashboard built
+# for vLLM queries. Each with `model_name` and `engine`; request_success_total with
+# `finished_reason` too.
+VLLM_SERIES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter",
+    "vllm:generation_tokens": "counter", "vllm:num_preemptions": "counter",
+    "vllm:request_success": "counter", "vllm:prefix_cache_queries": "counter",
+    "vllm:prefix_cache_hits": "counter", "vllm:time_to_first_token_seconds": "histogram",
+    "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram",
+    "vllm:request_queue_time_seconds": "histogram"}
+
+
+def _families(metrics: ServerMetrics) -> dict:
+  from prometheus_client.parser import text_string_to_metric_families
+
+  return {family.name: family
+          for family in text_string_to_metric_families(metrics.render().decode())}
+
+
+def test_vllms_series_and_every_label_set_are_exported_at_zero_before_any_request():
+  engine = fake_engine()
+  families = _families(ServerMetrics(engine.scheduler, engine.clock, "m"))
+  for name, kind in VLLM_SERIES.items():
+    family = families[name]
+    assert family.type == kind, name
+    samples = [s for s in family.samples if not s.name.endswith(("_bucket", "_sum"))]
+    assert samples and all(s.value == 0 for s in samples), name
+    for sample in samples:
+      expected = {"model_name", "engine"} | ({"finished_reason"}
+                                             if name == "vllm:request_success" else set())
+      assert set(sample.labels) == expected and sample.labels["engine"] == "0", sample
+  reasons = {s.labels["finished_reason"] for s in families["vllm:request_success"].samples}
+  assert reasons == {"stop", "length", "abort"}
+  # kvpage's own, at zero too, for each label value they can take.
+  modes = {s.labels["mode"] for s in families["kvpage:num_preemptions"].samples}
+  assert modes == {"recompute", "swap", "abort"}
+  codes = {s.labels["code"] for s in families["kvpage:request_rejections"].samples}
+  assert {"400", "429", "503"} <= codes
+  assert families["kvpage:time_to_first_token_seconds"].samples
+
+
+def test_the_vllm_twins_follow_kvpages_series():
+  engine = fake_engine()
+
+  async def run(loop):
+    for name in ("a", "b"):
+      _, stream = await loop.submit(Submission(name, [1, 2, 3],
+                                                    SamplingParams(max_tokens=4)))
+      await stream.done
+    return loop.metrics
+
+  metrics = _engine_loop_run(engine, run)
+  families = _families(metrics)
+
+  def value(name: str, suffix: str = "", **labels: str) -> float:
+    return sum(s.value for s in families[name].samples if s.name == name + suffix
+               and all(s.labels.get(k) == v for k, v in labels.items()))
+
+  assert value("vllm:generation_tokens", "_total") == value(
+      "kvpage:generation_tokens", "_total") == 8
+  assert value("vllm:request_success", "_total", finished_reason="length") == value(
+      "kvpage:request_success", "_total", finish_reason="length") == 2
+  assert value("vllm:time_to_first_token_seconds", "_count") == 2

@@ -15,6 +15,14 @@ scheduler's `retry_audit` is): per rejection reason, `retry_hint_ratio` is the h
 the wait the refused request really needed (under 1: early, a client that honours it is
 refused again; over 1: late), `retry_needed_seconds` that wait, and
 `retry_audit_unresolved_total` the refusals still refused at the end of their watch.
+
+Dashboards built for vLLM read the same figures under vLLM's names: `vllm:` twins of
+the series vLLM exports, with vLLM's labels: an `engine` label ("0"),
+`finished_reason` for `finish_reason`, and preemptions summed over their modes. Every
+series, kvpage's and the twins, exists at zero from start-up for each label value it
+can take (finish reasons, preemption modes, the common rejection statuses and retry
+reasons), as vLLM's do: a rate over a series that appears only at its first event
+reads nothing for that event.
 """
 
 from collections.abc import Callable
@@ -39,6 +47,12 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # The scheduler's finish reasons as a client sees them (OpenAI's three).
 FINISH_REASONS = {"length": "length", "stop": "stop", "aborted": "abort", "preempted": "abort",
                   "deadline": "abort"}
+# Label values present from start-up (others appear when they first happen).
+PREEMPTION_MODES = ("recompute", "swap", "abort")
+REJECTION_STATUSES = ("400", "429", "503")
+RETRY_REASONS = ("kv_pressure", "queue_full", "wait_forecast", "wait_deadline",
+                 "concurrency_limit", "token_budget")
+VLLM_ENGINE = "0"  # the `engine` label of one engine core
 
 
 class ServerMetrics:
@@ -101,7 +115,31 @@ class ServerMetrics:
     self.hint_unresolved = counter("retry_audit_unresolved_total", "Audited refusals "
                                    "still refused at the end of their watch.", "reason")
     self.in_line.labels(self._model).set_function(self._num_in_line)  # read when scraped
+    self._at_zero()
+    # The series vLLM exports too, twinned under `vllm:` with vLLM's labels.
+    self.registry.register(_VllmTwins([
+        self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
+        self.prompt_tokens, self.generation_tokens, self.preemptions, self.successes,
+        self.ttft, self.itl, self.e2e, self.queue_time]))
     self.set_gauges()
+
+  def _at_zero(self) -> None:
+    """Every series with each label value it can take, at zero (see the module doc)."""
+    model = self._model
+    for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cached_pages,
+                   self.evictable_pages, self.prefix_queries, self.prefix_hits,
+                   self.prompt_tokens, self.generation_tokens, self.ttft, self.itl, self.e2e,
+                   self.queue_time):
+      metric.labels(model)
+    for reason in dict.fromkeys(FINISH_REASONS.values()):
+      self.successes.labels(model, reason)
+    for mode in PREEMPTION_MODES:
+      self.preemptions.labels(model, mode)
+    for status in REJECTION_STATUSES:
+      self.rejections.labels(model, status)
+    for reason in RETRY_REASONS:
+      for metric in (self.hint_ratio, self.hint_needed, self.hint_unresolved):
+        metric.labels(model, reason)
 
   def set_gauges(self) -> None:
     stats = self.scheduler.stats()
@@ -158,3 +196,26 @@ class ServerMetrics:
   def render(self) -> bytes:
     """The Prometheus text exposition of every figure."""
     return prom.generate_latest(self.registry)
+
+
+class _VllmTwins(prom.registry.Collector):
+  """At each scrape, the series of `metrics` again under `vllm:`, labelled as vLLM labels
+  them (see the module doc)."""
+
+  def __init__(self, metrics: list[Any]):
+    self.metrics = metrics
+
+  def collect(self) -> Any:
+    for family in (family for metric in self.metrics for family in metric.collect()):
+      twin = prom.Metric(family.name.replace("kvpage:", "vllm:", 1), family.documentation,
+                         family.type)
+      values: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+      for sample in family.samples:
+        labels = {"finished_reason" if key == "finish_reason" else key: value
+                  for key, value in sample.labels.items() if key != "mode"}
+        labels["engine"] = VLLM_ENGINE
+        key = (sample.name.replace("kvpage:", "vllm:", 1), tuple(sorted(labels.items())))
+        values[key] = values.get(key, 0.0) + sample.value
+      for (name, labels), value in values.items():
+        twin.add_sample(name, dict(labels), value)
+      yield twin
