@@ -234,6 +234,7 @@ SERVE = [
     "transformers>=4.45",
     "tokenizers>=0.19",
     "jinja2>=3.1",  # chat templates
+    "aiohttp>=3.9",  # benchmarks/serve_http.py's load client, the server's companion
 ]
 # The figures (experiments/plots.py) and the notebooks; nbclient + ipykernel run them
 # headless (the tests do), Jupyter opens them.
@@ -281,7 +282,6 @@ setuptools.setup(
             *NOTEBOOKS,
             "openai>=1.40",  # the official client, driven against the server in tests
             "httpx>=0.27",
-            "aiohttp>=3.9",  # benchmarks/serve_http.py's load client, tested here
             "pytest>=8",
             "pytest-xdist>=3.5",  # `pytest -n 2`: two workers, the suite in ~3/4 of the time
             "hypothesis>=6.100",

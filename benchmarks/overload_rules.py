@@ -409,6 +409,7 @@ def run_benchmark(settings: Settings, config: Any, progress: Callable[[str], Non
     os.sched_setaffinity(0, client_cores)
   shared = [f"--config={config_file}", *settings.overrides, "--num_pages=0",
             f"--config.cache.kv_memory_gib={settings.kv_memory_gib}",
+            "--config.cache.fit_pool=false",  # the budget as given: far more than is needed
             f"--compilation_cache={settings.compilation_cache}"]
   scheduler = config.scheduler
   batch_tokens = scheduler.max_num_seqs * (settings.prompt_len + settings.output_len)

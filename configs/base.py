@@ -62,8 +62,10 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # entry's memory (`sim_memory_plan`).
   # `prefix_caching`: full pages of computed tokens are named and shared by later
   # requests with the same prefix (kvpage.host.prefix_cache), on by default as in vLLM.
+  # `fit_pool`: a byte budget's pool is capped at what the scheduler can fill (its
+  # running set at the model's full context) and at half the host's available memory.
   config.cache = ml_collections.ConfigDict(dict(page_size=16, kv_dtype=dtype, num_pages=0,
-                                                kv_memory_gib=4.0,
+                                                kv_memory_gib=4.0, fit_pool=True,
                                                 memory_utilization=memory_plan.DEFAULT_UTILIZATION,
                                                 prefix_caching=True))
   config.hardware = hardware
@@ -190,6 +192,8 @@ def check(config) -> None:
   _positive_number("cache.memory_utilization", utilization)
   if utilization > 1:
     raise ValueError(f"cache.memory_utilization must be in (0, 1], got {utilization!r}")
+  if not isinstance(cache.get("fit_pool", True), bool):
+    raise ValueError(f"cache.fit_pool must be true or false, got {cache.get('fit_pool')!r}")
   if not isinstance(cache.get("prefix_caching", False), bool):
     raise ValueError(f"cache.prefix_caching must be true or false, got "
                      f"{cache.get('prefix_caching')!r}")

@@ -8,7 +8,9 @@ the run in progress at once (rich allows one live display at a time):
     bar.update(120, "kv 63%")
 """
 
+import time
 import types
+from collections.abc import Callable
 
 from rich import console as rich_console
 from rich import progress as rich_progress
@@ -51,3 +53,19 @@ class Bars:
   def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                trace: types.TracebackType | None) -> None:
     self._display.stop()
+
+
+def lines(say: Callable[[str], None], what: str, every_s: float = 2.0,
+          clock: Callable[[], float] = time.monotonic) -> Callable[[int, int], None]:
+  """A `progress(done, total)` that says `what done/total` in plain lines, for any
+  stream (a log file, a pipe, a container's output): at the first, then at most every
+  `every_s` seconds, and at the last."""
+  last = [-float("inf")]
+
+  def report(done: int, total: int) -> None:
+    now = clock()
+    if done in (1, total) or now - last[0] >= every_s:
+      last[0] = now
+      say(f"{what} {done}/{total}")
+
+  return report

@@ -29,7 +29,7 @@ from absl import flags
 
 from configs import base as configs_check
 from configs import hardware as hardware_lib
-from experiments import cli
+from experiments import cli, progress
 from kvpage import build
 
 _CONFIG = cli.define_config("configs/tiny.py",
@@ -188,9 +188,11 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...],
   engine, scheduler_config = setup.engine, setup.config.scheduler
   if _WARMUP.value:
     greedy = (True, False) if _WARMUP_SAMPLING.value else (True,)
+    say = lambda line: print(f"kvpage serve: {line}", flush=True)
     count = engine.executor.warmup(scheduler_config.max_num_seqs,
                                    scheduler_config.max_num_batched_tokens, all_greedy=greedy,
-                                   num_decode_steps=scheduler_config.num_decode_steps)
+                                   num_decode_steps=scheduler_config.num_decode_steps,
+                                   progress=progress.lines(say, "compiling step programs"))
     priced = engine.price_steps()  # hints and ETAs priced before the first request
     compiled = f"compiled {count} step programs" if count else "nothing to compile"
     print(f"kvpage serve: {compiled}; timed {priced} step shapes for the wait forecast",

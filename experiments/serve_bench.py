@@ -442,6 +442,19 @@ def workload_record(settings: BenchSettings, trace: list[workload.TraceRequest])
               observed=workload.summarize(trace))
 
 
+def _counts(counts: dict, prefix: str = "") -> str:
+  """`{"429": 3, "503": 0}` as `HTTP 429: 3` (zeros left out), or `none`."""
+  shown = [f"{prefix}{key}: {value:,}" for key, value in counts.items() if value]
+  return ", ".join(shown) or "none"
+
+
+def _slo_line(slo: dict) -> str:
+  """The goodput SLO in words: `TTFT <= 200 ms, TPOT <= 50 ms`, or `no SLO`."""
+  parts = [f"{name} <= {_ms(slo[key])}" for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"))
+           if slo.get(key) is not None]
+  return ", ".join(parts) if parts else "no SLO: every finished request counts"
+
+
 def format_summary(summary: dict) -> str:
   p = summary["premises"]
   w = p["workload"]
@@ -475,8 +488,9 @@ def format_summary(summary: dict) -> str:
         and p["hardware"].get("tensor_parallel", 1) > 1 else []),
       "",
       f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
-      f"  rejections               {summary['rejections']}",
-      f"  preemptions              {summary['num_preemptions']} {summary['preemptions']}",
+      f"  rejections               {_counts(summary['rejections'], 'HTTP ')}",
+      f"  preemptions              {summary['num_preemptions']}"
+      + (f" ({_counts(summary['preemptions'])})" if summary["num_preemptions"] else ""),
       f"  max KV usage             {summary['max_kv_usage']:.1%} "
       f"(free pages at end {summary['pages_free_at_end']:,})",
       f"  queue wait  p50 / p99    {_ms(summary['queue_wait_s']['p50'])} / "
@@ -489,7 +503,7 @@ def format_summary(summary: dict) -> str:
       f"{summary['output_tokens_per_s']:,.0f} generated tok/s over {summary['duration_s']:.2f} s",
       f"  running batch            {_batch_line(summary.get('running_batch') or {})}",
       f"  goodput                  {summary['goodput_requests_per_s']:.2f} req/s "
-      f"({summary['goodput_fraction']:.0%} of requests; SLO {summary['slo']})",
+      f"({summary['goodput_fraction']:.0%} of requests; {_slo_line(summary['slo'])})",
       f"  prefill computed         {summary['prefill_tokens_computed']:,} tokens"
       + _prefix_line(summary.get("prefix_cache", {})),
   ]

@@ -23,7 +23,7 @@ jitted model step or a simulated GPU.
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpage.request import Request
@@ -206,8 +206,10 @@ class Executor(abc.ABC):
 
   @abc.abstractmethod
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
-             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
-    """Compiles every step a scheduler with these limits can launch; returns how many."""
+             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
+             progress: Callable[[int, int], None] | None = None) -> int:
+    """Compiles every step a scheduler with these limits can launch; returns how many.
+    `progress(done, total)`, if given, is called after each program."""
 
   def measure_steps(self, max_num_seqs: int,
                     max_num_batched_tokens: int) -> list[tuple[int, int, int, float]]:

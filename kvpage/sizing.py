@@ -25,6 +25,7 @@ from kvpage.sim.hardware import HardwareSpec
 from kvpage.units import cdiv
 
 MAX_PAGES = 2**24  # pages in one pool: 268M tokens at 16 per page
+HOST_SHARE = 0.5  # of the host's available memory, the most a byte-budget pool takes
 
 
 def _gib(num_bytes: float) -> str:
@@ -237,7 +238,9 @@ def real_pool_pages(model: Any, config: ml_collections.ConfigDict,
   plan when it decided.
 
   In order: the config's `cache.num_pages` (a count; the experiments' `--num_pages` sets
-  it); the budget `cache.kv_memory_gib`; with no budget (0), the memory plan
+  it); the budget `cache.kv_memory_gib` (a CPU's), capped with `cache.fit_pool` at what
+  the scheduler's running set can fill at the model's full context and at `HOST_SHARE`
+  of the host's available memory; with no budget (0), the memory plan
   (`real_memory_plan`: `cache.memory_utilization` of the device, less the weights
   (`params`' bytes when given) and the largest step's activations). A budget or a plan
   is capped by `pages_needed` (what the whole workload could hold at once, when it is
@@ -255,6 +258,18 @@ def real_pool_pages(model: Any, config: ml_collections.ConfigDict,
                                              page_size=cache.page_size, dtype=cache.kv_dtype)
     reason = (f"cache.kv_memory_gib={budget:g} GiB at {page_bytes / 2**10:,.0f} KiB a page "
               f"holds {pages:,}")
+    # No more than the scheduler can fill (its whole running set at the full context),
+    # nor than a share of the host's available memory: a 13 MB model gets no 4 GiB pool.
+    seqs, context = config.scheduler.max_num_seqs, model_config.max_seq_len
+    usable = seqs * cdiv(context, cache.page_size) + 1 if cache.get("fit_pool", True) else pages
+    available = premises.available_memory_bytes() if cache.get("fit_pool", True) else None
+    allowed = MAX_PAGES if available is None else int(HOST_SHARE * available) // page_bytes
+    if usable < pages and usable <= allowed:
+      pages, reason = usable, (f"{reason}, capped at what max_num_seqs={seqs:,} sequences of "
+                               f"{context:,} tokens fill: {usable:,}")
+    elif allowed < pages:
+      pages, reason = max(allowed, 2), (f"{reason}, capped at {HOST_SHARE:.0%} of the host "
+                                        f"memory available: {max(allowed, 2):,}")
   else:
     plan = real_memory_plan(model, config, model_config, params)
     pages, reason = min(plan.num_pages, MAX_PAGES), "the memory plan"

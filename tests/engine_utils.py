@@ -83,8 +83,10 @@ class FakeExecutor(Executor):
     return len(self._results)
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
-             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
+             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
+             progress=None) -> int:
     del max_num_seqs, max_num_batched_tokens, all_greedy, num_decode_steps  # Unused.
+    del progress  # Unused.
     self.num_warmups += 1
     return 0
 

@@ -64,8 +64,15 @@ def test_a_real_runs_pool_comes_from_one_byte_budget():
   # Without one: the byte budget.
   config.cache.num_pages = 0
   pages, reason, plan = sizing.real_pool_pages(llama, config, config.model)
-  assert pages == 4 * 2**30 // page and "cache.kv_memory_gib=4 GiB" in reason
+  # ... capped at what the scheduler can fill: 64 sequences of 2,048 tokens.
+  usable = 64 * 2048 // 16 + 1
+  assert pages == usable < 4 * 2**30 // page and "cache.kv_memory_gib=4 GiB" in reason
+  assert "capped at what max_num_seqs=64 sequences of 2,048 tokens fill" in reason
   assert plan is None
+  config.cache.fit_pool = False  # the budget as given
+  pages, reason, plan = sizing.real_pool_pages(llama, config, config.model)
+  assert pages == 4 * 2**30 // page and reason.endswith(f"holds {pages:,}")
+  config.cache.fit_pool = True
   pages, reason, _ = sizing.real_pool_pages(llama, config, config.model, pages_needed=99)
   assert pages == 99 and "needs at most 99" in reason
   config.cache.kv_memory_gib = -1.0
@@ -96,3 +103,14 @@ def test_a_serving_line_that_is_not_seconds_is_refused(value):
   with pytest.raises(ValueError,
                      match=r"server\.ttft_line_s must be a finite number >= 0 \(0: off\)"):
     base.check_server(ml_collections.ConfigDict(server))
+
+
+def test_a_byte_budget_pool_takes_at_most_half_the_hosts_available_memory(monkeypatch):
+  from kvpage import premises
+
+  config = tiny.get_config()
+  config.cache.num_pages = 0
+  page = 2 * 4 * 4 * 2 * 64 * 16
+  monkeypatch.setattr(premises, "available_memory_bytes", lambda: 1000 * page)
+  pages, reason, _ = sizing.real_pool_pages(llama, config, config.model)
+  assert pages == 500 and "capped at 50% of the host memory available: 500" in reason

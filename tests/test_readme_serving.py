@@ -55,6 +55,9 @@ def test_the_bare_server_serves_the_tiny_text_checkpoint(server):
   said = "".join(server.lines)
   assert "serving kvpage's tiny text checkpoint" in said
   assert "model 'kvpage-tiny-text'" in said
+  # Compilation says how far it is, in plain lines (not a terminal's progress bar).
+  counts = re.findall(r"compiling step programs (\d+)/(\d+)", said)
+  assert counts and counts[0][0] == "1" and counts[-1][0] == counts[-1][1]
 
 
 def test_every_curl_example_runs_as_written(server):

@@ -140,3 +140,11 @@ def test_bad_extension_values_are_400s_that_name_the_field(server, body, param):
   answer = _post(server, "/v1/completions", {"prompt": PROMPT, **body})
   assert answer.status_code == 400, answer.text
   assert answer.json()["error"]["param"] == param
+
+
+def test_a_prompt_that_fills_the_context_is_refused_in_terms_the_client_sent(server):
+  answer = _post(server, "/v1/completions", {"prompt": [5] * 600})  # no max_tokens
+  assert answer.status_code == 400, answer.text
+  error = answer.json()["error"]
+  assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+  assert "max_tokens" not in error["message"] and "600 tokens" in error["message"]

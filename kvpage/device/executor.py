@@ -160,7 +160,8 @@ class JaxExecutor(Executor):
             in zip(info.request_ids, columns, info.num_steps)}
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
-             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
+             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
+             progress: Callable[[int, int], None] | None = None) -> int:
     """Compiles every step shape a scheduler with these limits can produce; returns the count.
 
     All-padding batches write only the null page, so the cache's contents are untouched.
@@ -170,6 +171,8 @@ class JaxExecutor(Executor):
     """
     shapes = self.buckets.warmup_shapes(max_num_seqs, max_num_batched_tokens)
     width = self.buckets.table_width(1)
+    multi = num_decode_steps > 1
+    total = sum((1 + (multi and decode_only)) * len(all_greedy) for _, _, decode_only in shapes)
     count = 0
     with transfer_guard(self.guard):
       for num_tokens, num_seqs, decode_only in shapes:
@@ -178,10 +181,14 @@ class JaxExecutor(Executor):
           self._feed, self.cache = self.step.dispatch(self.params, self.cache, batch, greedy,
                                                       self._feed)
           count += 1
-          if decode_only and num_decode_steps > 1:
+          if progress is not None:
+            progress(count, total)
+          if decode_only and multi:
             _, self._feed, self.cache = self.step.dispatch_multi(
                 self.params, self.cache, batch, greedy, self._feed, num_decode_steps)
             count += 1
+            if progress is not None:
+              progress(count, total)
       if self._feed is not None:
         self._feed.block_until_ready()
     return count

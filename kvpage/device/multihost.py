@@ -108,9 +108,9 @@ class Leader(Executor):
   def collect(self, ticket: Ticket) -> Samples:
     return self.executor.collect(ticket)
 
-  def warmup(self, *args: Any, **kwargs: Any) -> int:
-    self._send(("warmup", args, kwargs))
-    return self.executor.warmup(*args, **kwargs)
+  def warmup(self, *args: Any, progress: Any = None, **kwargs: Any) -> int:
+    self._send(("warmup", args, kwargs))  # (the followers report no progress)
+    return self.executor.warmup(*args, progress=progress, **kwargs)
 
   def stop(self) -> None:
     """Lets the followers return (once; later calls do nothing)."""

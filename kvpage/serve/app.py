@@ -231,6 +231,12 @@ class Gateway:
                      "server_error", "engine_dead")
     created = int(time.time())  # the response's `created`: when the request came
     prompt_ids = await self._prompt_ids(gen)
+    if gen.max_tokens is None and len(prompt_ids) >= self.config.max_model_len:
+      # (named in what the client sent: no max_tokens of ours in the message)
+      raise ApiError(400, f"the prompt's {len(prompt_ids):,} tokens leave no room for output "
+                     f"in the model's context of {self.config.max_model_len:,} tokens",
+                     code="context_length_exceeded",
+                     param="messages" if gen.chat else "prompt")
     max_tokens = gen.max_tokens or (
         max(1, self.config.max_model_len - len(prompt_ids)) if gen.chat
         else DEFAULT_COMPLETION_TOKENS)

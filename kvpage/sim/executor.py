@@ -31,7 +31,7 @@ finished its last one is priced as launched after idle (`StepRates.idle_launch_s
 Nothing compiles, so `warmup` does nothing and `num_compiles` is 0.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvpage import metrics
 from kvpage.batch import Buckets
@@ -100,9 +100,11 @@ class SimExecutor(Executor):
     return cost
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
-             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1) -> int:
+             all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
+             progress: Callable[[int, int], None] | None = None) -> int:
     """Nothing to compile: a priced step has no program."""
     del max_num_seqs, max_num_batched_tokens, all_greedy, num_decode_steps  # Unused.
+    del progress  # Unused.
     return 0
 
   def measure_steps(self, max_num_seqs: int,
