@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpage.request import Request
+from kvpage.request import Request, TokenLogprobs
 
 # The gateway's answers, HTTP's status codes: admitted, can never fit, queue full, cache
 # pressure.
@@ -178,6 +178,15 @@ class Executor(abc.ABC):
   def execute(self, output: SchedulerOutput) -> Samples:
     """Runs the step and waits for it: `collect(submit(output))`; returns its samples."""
     return self.collect(self.submit(output))
+
+  # Whether its steps compute logits, so `logprobs` can score the samples.
+  computes_logits = False
+
+  def logprobs(self) -> dict[str, TokenLogprobs]:
+    """The log-probabilities of the last collected step's samples, for the sequences
+    whose request asks for them (`SamplingParams.logprobs`). This default: none (an
+    executor that computes no logits, as the simulator)."""
+    return {}
 
   @abc.abstractmethod
   def submit(self, output: SchedulerOutput) -> Any:

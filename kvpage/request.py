@@ -26,12 +26,22 @@ Pure Python: never imports jax.
 import dataclasses
 import enum
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 _INT32_LIMIT = 2**31  # the device keeps top_k as int32
 
 # Stands for a token sampled by a step still in flight: its value is on the device only.
 PLACEHOLDER = -1
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for (vLLM's default)
+
+
+class TokenLogprobs(NamedTuple):
+  """A sampled token's log-probability (float32 log-softmax of the model's logits, before
+  temperature, top-k and top-p) and the `top` likeliest `(token id, log-probability)`."""
+
+  token_id: int
+  logprob: float
+  top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +58,9 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   ignore_eos: bool = False
   min_tokens: int = 0
+  # Log-probabilities of each sampled token and of the `logprobs` likeliest (0: the
+  # sampled token's only; None: none), from the step that sampled it.
+  logprobs: int | None = None
 
   def __post_init__(self) -> None:
     if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -61,6 +74,8 @@ class SamplingParams:
     if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
       raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                        f"got {self.min_tokens!r}")
+    if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+      raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
@@ -98,6 +113,8 @@ class Request:
   max_queue_wait_s: float | None = None
   status: RequestStatus = RequestStatus.WAITING
   output_ids: list[int] = dataclasses.field(default_factory=list)
+  # With `sampling.logprobs`: one entry per token of `output_ids`, as the steps return them.
+  output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
   page_ids: list[int] = dataclasses.field(default_factory=list)
   host_page_ids: list[int] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0

@@ -149,7 +149,7 @@ def _post(server, body, **headers) -> httpx.Response:
     ({"prompt": "hi", "max_tokens": -3}, 400, "invalid_value"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "invalid_value"),
     ({"prompt": "hi", "n": 3}, 400, "unsupported_option"),
-    ({"prompt": "hi", "logprobs": 2}, 400, "unsupported_option"),
+    ({"prompt": "hi", "echo": True}, 400, "unsupported_option"),
     ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "unsupported_option"),
     ({"prompt": [1, 2, 999999]}, 400, "invalid_token_ids"),
     ({"prompt": [1] * 600, "max_tokens": 8}, 400, "context_length_exceeded"),
@@ -440,6 +440,9 @@ def test_a_simulated_gpu_serves_in_real_time(cache_dir):
     assert response.status_code == 200, response.text
     answer = response.json()
     assert answer["usage"]["completion_tokens"] == len(answer["choices"][0]["token_ids"]) == 8
+    # A simulator computes no logits: log-probabilities are refused by name.
+    refused = _post(server, {"prompt": [1, 2], "max_tokens": 2, "logprobs": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
     text = _metrics(server)
     # The simulated steps took real time: a 512-token prefill and seven decodes of 13B.
     assert elapsed >= metric(text, "kvpage:e2e_request_latency_seconds_sum") > 0.05

@@ -148,3 +148,44 @@ def test_a_prompt_that_fills_the_context_is_refused_in_terms_the_client_sent(ser
   error = answer.json()["error"]
   assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
   assert "max_tokens" not in error["message"] and "600 tokens" in error["message"]
+
+
+def test_completions_logprobs_in_openais_shape_streamed_as_whole(server):
+  body = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+          "logprobs": 3, "return_token_ids": True}
+  whole = _post(server, "/v1/completions", body).json()["choices"][0]
+  scored = whole["logprobs"]
+  assert len(scored["tokens"]) == len(scored["token_logprobs"]) == len(whole["token_ids"]) == 6
+  assert all(lp <= 0 for lp in scored["token_logprobs"])
+  for top, token, lp in zip(scored["top_logprobs"], scored["tokens"], scored["token_logprobs"],
+                            strict=True):
+    assert token in top and top[token] == lp  # greedy: the sampled token is the likeliest
+    # Three likeliest and the sampled token, keyed by text: tokens that decode alike
+    # (lone bytes of a multi-byte character) share a key, as in vLLM.
+    assert lp == max(top.values()) and 1 <= len(top) <= 4
+  assert scored["text_offset"][0] == 0 and scored["text_offset"] == sorted(
+      scored["text_offset"])
+  chunks = _events(_post(server, "/v1/completions", {**body, "stream": True}))
+  streamed = [lp for chunk in chunks if chunk["choices"] and chunk["choices"][0]["logprobs"]
+              for lp in chunk["choices"][0]["logprobs"]["token_logprobs"]]
+  assert streamed == scored["token_logprobs"]
+  plain = _greedy(server, max_tokens=6)["choices"][0]
+  assert plain["logprobs"] is None and plain["token_ids"] == whole["token_ids"]
+
+
+def test_chat_logprobs_and_top_logprobs(server):
+  body = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 5,
+          "temperature": 0, "ignore_eos": True, "logprobs": True, "top_logprobs": 2}
+  answer = _post(server, "/v1/chat/completions", body)
+  assert answer.status_code == 200, answer.text
+  content = answer.json()["choices"][0]["logprobs"]["content"]
+  assert len(content) == 5
+  for item in content:
+    assert item["logprob"] <= 0 and item["bytes"] == list(item["token"].encode())
+    assert len(item["top_logprobs"]) == 2
+    assert item["top_logprobs"][0]["logprob"] == item["logprob"]  # greedy
+  without_top = _post(server, "/v1/chat/completions", {**body, "top_logprobs": None}).json()
+  assert all(item["top_logprobs"] == []
+             for item in without_top["choices"][0]["logprobs"]["content"])
+  refused = _post(server, "/v1/chat/completions", {**body, "logprobs": False})
+  assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"

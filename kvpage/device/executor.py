@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from kvpage import batch as batch_lib
 from kvpage.device import cache as paged_cache
@@ -36,6 +37,7 @@ from kvpage.device import sharding
 from kvpage.device.sharding import TensorParallel
 from kvpage.device.step import ForwardFn, Step
 from kvpage.interface import CostTraits, Executor, Samples, SchedulerOutput
+from kvpage.request import MAX_LOGPROBS, TokenLogprobs
 
 MEASURE_REPEATS = 3  # runs of each shape `measure_steps` times; the fastest is kept
 
@@ -52,10 +54,16 @@ class Ticket:
 
   tokens: jax.Array | None  # None: the step scheduled nothing
   info: batch_lib.BatchInfo | None
+  # With a request that asks for log-probabilities: the rows' scores (`Step.
+  # dispatch_logprobs`), still on the device, and each row's request's count of top ones.
+  scores: jax.Array | None = None
+  num_top: tuple[int | None, ...] = ()
 
 
 class JaxExecutor(Executor):
   """A model's forward function, its params and a paged cache behind `Executor`."""
+
+  computes_logits = True
 
   def __init__(self, forward: ForwardFn, params: Any, cache: paged_cache.PagedKVCache, *,
                num_host_pages: int = 0, buckets: batch_lib.Buckets | None = None,
@@ -95,6 +103,7 @@ class JaxExecutor(Executor):
     self.num_launches = 0  # steps launched (a multi-step decode is one launch)
     self._feed: jax.Array | None = None  # the last launched step's sampled ids (device)
     self._feed_rows: dict[str, int] = {}  # request -> its row in `_feed`
+    self._logprobs: dict[str, TokenLogprobs] = {}  # the last collected step's
 
   @property
   def page_size(self) -> int:
@@ -126,9 +135,19 @@ class JaxExecutor(Executor):
   def _launch(self, output: SchedulerOutput) -> Ticket:
     batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
                                   buckets=self.buckets, feed_rows=self._feed_rows)
+    wanted = {seq.request_id: seq.request.sampling.logprobs for seq in output.scheduled}
+    num_top = tuple(wanted.get(request_id) if samples else None
+                    for request_id, samples in zip(info.request_ids, info.samples))
+    scores = None
     if output.num_steps > 1:  # multi-step decoding: samples [num_steps, feed_width]
       tokens, feed, self.cache = self.step.dispatch_multi(
           self.params, self.cache, batch, info.all_greedy, self._feed, output.num_steps)
+    elif any(top is not None for top in num_top):  # the same pass, scored too
+      tokens, scores, self.cache = self.step.dispatch_logprobs(
+          self.params, self.cache, batch, info.all_greedy, self._feed, MAX_LOGPROBS)
+      feed = tokens
+      scores = scores.addressable_data(0)
+      scores.copy_to_host_async()
     else:
       tokens, self.cache = self.step.dispatch(self.params, self.cache, batch,
                                               info.all_greedy, self._feed)
@@ -141,16 +160,20 @@ class JaxExecutor(Executor):
     self._feed_rows = {request_id: row for row, (request_id, samples)
                        in enumerate(zip(info.request_ids, info.samples)) if samples}
     self.num_launches += 1
-    return Ticket(tokens, info)
+    return Ticket(tokens, info, scores, num_top if scores is not None else ())
 
   def collect(self, ticket: Ticket) -> Samples:
     """Waits for a launched step: a sampled token per sequence that samples (a list of
     its `num_steps` tokens for a multi-step sequence)."""
+    self._logprobs = {}
     if ticket.tokens is None or ticket.info is None:
       return {}
     info = ticket.info
     with transfer_guard(self.guard):
       tokens = jax.device_get(ticket.tokens)
+      if ticket.scores is not None:
+        self._logprobs = _token_logprobs(jax.device_get(ticket.scores), tokens, ticket.num_top,
+                                         info.request_ids)
     if tokens.ndim == 1:
       return {request_id: token for request_id, token, samples
               in zip(info.request_ids, tokens[:info.num_seqs].tolist(), info.samples)
@@ -159,6 +182,10 @@ class JaxExecutor(Executor):
     return {request_id: row[:num_steps] for request_id, row, num_steps
             in zip(info.request_ids, columns, info.num_steps)}
 
+
+  def logprobs(self) -> dict[str, TokenLogprobs]:
+    """The last collected step's log-probabilities, for the rows whose request asks."""
+    return self._logprobs
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
              progress: Callable[[int, int], None] | None = None) -> int:
@@ -212,3 +239,18 @@ class JaxExecutor(Executor):
           best = min(best, time.perf_counter() - start)
         measured.append((num_tokens, 0, num_seqs, best))
     return measured
+
+
+def _token_logprobs(scores: np.ndarray, tokens: np.ndarray, num_top: Sequence[int | None],
+                    request_ids: Sequence[str]) -> dict[str, TokenLogprobs]:
+  """Rows of `Step.dispatch_logprobs`' scores, unpacked for the requests that ask: the
+  sampled token, its log-probability and its request's count of the likeliest."""
+  out = {}
+  for row, (request_id, top) in enumerate(zip(request_ids, num_top)):
+    if top is None:
+      continue
+    values = scores[row]
+    ids = values[1 + MAX_LOGPROBS:].astype(np.int64)
+    out[request_id] = TokenLogprobs(int(tokens[row]), float(values[0]), tuple(
+        (int(i), float(v)) for i, v in zip(ids[:top], values[1:1 + top])))
+  return out

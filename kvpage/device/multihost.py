@@ -108,6 +108,13 @@ class Leader(Executor):
   def collect(self, ticket: Ticket) -> Samples:
     return self.executor.collect(ticket)
 
+  @property
+  def computes_logits(self) -> bool:  # type: ignore[override]
+    return self.executor.computes_logits
+
+  def logprobs(self) -> dict[str, Any]:
+    return self.executor.logprobs()
+
   def warmup(self, *args: Any, progress: Any = None, **kwargs: Any) -> int:
     self._send(("warmup", args, kwargs))  # (the followers report no progress)
     return self.executor.warmup(*args, progress=progress, **kwargs)

@@ -23,6 +23,11 @@ function is the sharded model's; the step places the batch and the feed whole on
 every device of the mesh and pins the outputs' layouts (ids whole, the cache split by
 KV heads as it came in), so the donated cache keeps its layout from step to step.
 
+`dispatch_logprobs` is `dispatch` that also returns, for each sampled row, the float32
+log-softmax of its logits at the sampled token and the `num_logprobs` likeliest tokens
+(`jax.lax.top_k`): the same forward pass, a program of its own compiled when first
+asked for.
+
 `dispatch_multi` runs multi-step decoding (`scheduler.num_decode_steps`): a decode
 batch goes through up to `num_steps` iterations in one program (a `fori_loop` over
 the model), each iteration's samples becoming the next one's tokens on the device.
@@ -85,6 +90,10 @@ class Step:
                            static_argnames=("layout", "all_greedy"), **single)
     self._jitted_multi = jax.jit(self._multi_step, donate_argnums=(1,),
                                  static_argnames=("layout", "all_greedy", "num_steps"), **multi)
+    scored = {} if tp is None else dict(out_shardings=(tp.replicated, tp.replicated, tp.cache))
+    self._jitted_logprobs = jax.jit(self._step_logprobs, donate_argnums=(1,),
+                                    static_argnames=("layout", "all_greedy", "num_logprobs"),
+                                    **scored)
     self._no_feed = None
 
   def _step(self, params, cache, packed, feed, layout, all_greedy):
@@ -94,6 +103,21 @@ class Step:
     logits, cache = self.forward(params, cache, batch)
     tokens = sampling.sample(logits, batch, all_greedy=all_greedy)
     return jnp.zeros_like(feed).at[:tokens.shape[0]].set(tokens), cache
+
+  def _step_logprobs(self, params, cache, packed, feed, layout, all_greedy, num_logprobs):
+    """`_step`, and each sampled row's log-probabilities: `f32[rows, 1 + num_logprobs]`
+    (the sampled token's, then the likeliest tokens') and `i32[rows, num_logprobs]` (the
+    likeliest tokens' ids), packed as one f32 array `[rows, 1 + 2 * num_logprobs]`."""
+    self.num_compiles += 1
+    batch = _unpack(packed, layout)
+    batch = batch._replace(token_ids=_fed_tokens(batch, feed))
+    logits, cache = self.forward(params, cache, batch)
+    tokens = sampling.sample(logits, batch, all_greedy=all_greedy)
+    scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(scores, tokens[:, None], axis=1)
+    top_scores, top_ids = jax.lax.top_k(scores, num_logprobs)
+    packed_scores = jnp.concatenate([chosen, top_scores, top_ids.astype(jnp.float32)], axis=1)
+    return jnp.zeros_like(feed).at[:tokens.shape[0]].set(tokens), packed_scores, cache
 
   def _multi_step(self, params, cache, packed, feed, layout, all_greedy, num_steps):
     """Up to `num_steps` decode iterations in one program; row s runs `batch.num_steps[s]`.
@@ -175,6 +199,18 @@ class Step:
     packed, layout = batch_lib.pack(batch)
     return self._jitted(params, cache, jax.device_put(packed, self._whole), feed,
                         layout=layout, all_greedy=all_greedy)
+
+  def dispatch_logprobs(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
+                        all_greedy: bool, feed: jax.Array | None, num_logprobs: int
+                        ) -> tuple[jax.Array, jax.Array, paged_cache.PagedKVCache]:
+    """`dispatch`, plus each sampled row's log-probabilities: returns `(ids, scores,
+    cache)` at once, `scores` `f32[rows, 1 + 2 * num_logprobs]` as `_step_logprobs`
+    packs them (token ids below 2^24 are exact in float32)."""
+    feed = self._checked_feed(batch, feed)
+    packed, layout = batch_lib.pack(batch)
+    return self._jitted_logprobs(params, cache, jax.device_put(packed, self._whole), feed,
+                                 layout=layout, all_greedy=all_greedy,
+                                 num_logprobs=num_logprobs)
 
   def dispatch_multi(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
                      all_greedy: bool, feed: jax.Array | None, num_steps: int

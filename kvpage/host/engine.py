@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from kvpage.host.scheduler import Admission, Scheduler
 from kvpage.interface import Executor, Samples, SchedulerOutput
-from kvpage.request import Request, RequestStatus, SamplingParams
+from kvpage.request import Request, RequestStatus, SamplingParams, TokenLogprobs
 
 MAX_IDLE_STEPS = 1000  # empty steps in a row before `generate` declares a stall
 
@@ -38,6 +38,8 @@ class RequestOutput(NamedTuple):
   finished: bool
   finish_reason: str | None
   status: str
+  # With `SamplingParams.logprobs`: the new tokens' log-probabilities, one each.
+  new_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 class Engine:
@@ -122,6 +124,7 @@ class Engine:
     # a stop token.
     new_tokens = {seq.request_id: seq.request.output_ids[before[seq.request_id]:]
                   for seq in output.scheduled if seq.request_id in before}
+    new_logprobs = self._attach_logprobs(output, new_tokens)
     if self.on_step is not None:
       self.on_step(output, new_tokens, finished)
     # Keyed by the request itself, not its id: an id reused after an abort names two
@@ -140,9 +143,27 @@ class Engine:
     for request in finished:
       self._reported.add(request)
     return [RequestOutput(request.request_id, tokens, request.status is RequestStatus.FINISHED,
-                          request.finish_reason, request.status.value)
+                          request.finish_reason, request.status.value,
+                          new_logprobs.get(request.request_id, ()))
             for request, tokens in touched.items()
             if request.request_id in sampled or request.status is RequestStatus.FINISHED]
+
+  def _attach_logprobs(self, output: SchedulerOutput, new_tokens: dict[str, list[int]]
+                       ) -> dict[str, tuple[TokenLogprobs, ...]]:
+    """The step's log-probabilities (`Executor.logprobs`) of the tokens `update` kept,
+    appended to their requests' `output_logprobs`; by request id."""
+    if not any(seq.request.sampling.logprobs is not None for seq in output.scheduled):
+      return {}
+    computed = self.executor.logprobs()
+    attached: dict[str, tuple[TokenLogprobs, ...]] = {}
+    for seq in output.scheduled:
+      entry = computed.get(seq.request_id)
+      tokens = new_tokens.get(seq.request_id)
+      if entry is not None and tokens and seq.request.sampling.logprobs is not None:
+        # (one token a step: multi-step decoding never carries a request that asks)
+        seq.request.output_logprobs.append(entry)
+        attached[seq.request_id] = (entry,)
+    return attached
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams]) -> list[Request]:

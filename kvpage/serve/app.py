@@ -50,11 +50,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hmac
+import itertools
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import fastapi
@@ -66,7 +67,7 @@ from starlette.requests import ClientDisconnect
 
 from kvpage.host.engine import Engine
 from kvpage.interface import SERVICE_UNAVAILABLE, Admission
-from kvpage.request import SamplingParams
+from kvpage.request import SamplingParams, TokenLogprobs
 from kvpage.serve import protocol
 from kvpage.serve.engine_loop import (
   Delta,
@@ -221,6 +222,10 @@ class Gateway:
     # progress) and the tokenizing count toward the request's wait and its TTFT.
     arrived = self.engine.clock()
     self._check_model(gen.model)
+    if gen.logprobs is not None and not self.engine.executor.computes_logits:
+      raise ApiError(400, "this server simulates its steps and computes no logits, so it has "
+                     "no log-probabilities to return", code="unsupported_option",
+                     param="logprobs")
     if self.draining:  # going away: a retry here would find it gone (x-should-retry: false)
       remaining = max(self._drain_ends - time.monotonic(), 1.0)
       raise ApiError(SERVICE_UNAVAILABLE, "the server is draining: it admits no new requests",
@@ -248,7 +253,7 @@ class Gateway:
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
         seed=gen.seed, stop_token_ids=tuple(dict.fromkeys((*gen.stop_token_ids, *eos))),
-        min_tokens=gen.min_tokens)
+        min_tokens=gen.min_tokens, logprobs=gen.logprobs)
     request_id = self._request_id(gen, http)
     submission = Submission(request_id, prompt_ids, sampling, gen.priority,
                             self._deadline(gen, http), gen.stop, arrived,
@@ -366,7 +371,8 @@ class Gateway:
       choice["delta"] = {} if text is None else {"content": text}
     else:
       choice["text"] = text or ""
-    choice["logprobs"] = None
+    choice["logprobs"] = (self._logprobs(gen, last.logprobs) if last and last.logprobs
+                          and not finish_reason else None)
     choice["finish_reason"] = finish_reason
     choice["stop_reason"] = last.stop_reason if finish_reason and last else None
     if gen.return_token_ids or self.tokenizer is None:
@@ -378,6 +384,31 @@ class Gateway:
       chunk["usage"] = (self._usage(stream, last.num_output_tokens if last else 0)
                         if gen.continuous_usage else None)
     return chunk
+
+  def _token_text(self, token_id: int) -> str:
+    """A token as the log-probabilities name it: its text alone (vLLM's choice), or
+    `token_id:N` on a server without a tokenizer."""
+    if self.tokenizer is None:
+      return f"token_id:{token_id}"
+    return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+  def _logprobs(self, gen: GenerationRequest,
+                entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+    """`entries` in OpenAI's shape: chat's `content` list, or completions' four lists
+    (the top dicts hold the sampled token too, as vLLM's do)."""
+    if gen.chat:
+      def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = self._token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+      return {"content": [item(e.token_id, e.logprob) | {
+          "top_logprobs": [item(i, v) for i, v in e.top]} for e in entries]}
+    tokens = [self._token_text(e.token_id) for e in entries]
+    offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{self._token_text(i): v for i, v in
+                              (*e.top, (e.token_id, e.logprob))} for e in entries],
+            "text_offset": offsets}
 
   def _usage(self, stream: Stream, num_output_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": stream.num_prompt_tokens,
@@ -467,13 +498,14 @@ class Gateway:
       raise self._ended_error(last)
     text = "".join(delta.text for delta in deltas)
     token_ids = [token for delta in deltas for token in delta.token_ids]
+    scored = tuple(entry for delta in deltas for entry in delta.logprobs)
     choice: dict[str, Any] = {"index": 0}
     if gen.chat:
       choice["message"] = {"role": "assistant", "content": text}
     else:
       choice["text"] = text
-    choice |= {"logprobs": None, "finish_reason": last.finish_reason,
-               "stop_reason": last.stop_reason}
+    choice |= {"logprobs": self._logprobs(gen, scored) if gen.logprobs is not None else None,
+               "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
     if self._shows_tokens(gen):
       choice["token_ids"] = token_ids
     return responses.JSONResponse({

@@ -22,6 +22,8 @@ import dataclasses
 import math
 from typing import Any
 
+from kvpage.request import MAX_LOGPROBS  # completions' `logprobs`, chat's `top_logprobs`
+
 SEED_LIMIT = 2**32  # sampling keys are 32-bit on the device
 INT32_LIMIT = 2**31
 MAX_STOP_STRINGS = 16
@@ -31,8 +33,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Implemented nowhere in kvpage: accepted only at the value that means "off".
 _NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "echo": (None, False), "suffix": (None,), "logit_bias": (None, {}),
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None,),
+    "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "tools": (None, []),
     "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
@@ -43,8 +45,9 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "skip_special_tokens", "priority", "stream", "stream_options", "return_token_ids",
            "max_queue_wait_s", "user")
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_status")
-COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", *_NO_OP_DEFAULTS))
-CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", *_NO_OP_DEFAULTS))
+COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "logprobs", *_NO_OP_DEFAULTS))
+CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs",
+                         "top_logprobs", *_NO_OP_DEFAULTS))
 # Every field each endpoint takes (the options in `_NO_OP_DEFAULTS` at their "off" only).
 ACCEPTED = {"/v1/completions": sorted(COMPLETION_FIELDS),
             "/v1/chat/completions": sorted(CHAT_FIELDS),
@@ -105,6 +108,9 @@ class GenerationRequest:
   include_status: bool = False
   return_token_ids: bool = False
   max_queue_wait_s: float | None = None
+  # Log-probabilities: None, or how many of the likeliest tokens beside the sampled one
+  # (completions' `logprobs: k`; chat's `logprobs: true` with `top_logprobs: k`).
+  logprobs: int | None = None
 
 
 def _is_int(value: Any) -> bool:
@@ -158,8 +164,9 @@ def _check_fields(body: Any, allowed: frozenset[str]) -> dict:
                        if name in body and not any(_same(body[name], d) for d in defaults))
   if unsupported:
     raise invalid(unsupported[0], f"unsupported option(s) {', '.join(map(repr, unsupported))}: "
-                  "kvpage serves one completion per request, without logprobs, penalties, "
-                  "logit bias, tools or response formats", code="unsupported_option")
+                  "kvpage serves one completion per request, without prompt echo, "
+                  "penalties, logit bias, tools or response formats",
+                  code="unsupported_option")
   return body
 
 
@@ -270,7 +277,9 @@ def parse_completion(body: Any) -> GenerationRequest:
   else:
     raise invalid("prompt", "'prompt' must be a non-empty string or a non-empty list of "
                   "integer token ids", code="invalid_prompt")
-  return GenerationRequest(prompt_text=text, prompt_ids=ids, **_common(body, chat=False))
+  logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS + 1, None)
+  return GenerationRequest(prompt_text=text, prompt_ids=ids, logprobs=logprobs,
+                           **_common(body, chat=False))
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -281,7 +290,11 @@ def parse_chat(body: Any) -> GenerationRequest:
                   "not both")
   field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
       "max_tokens")
+  top = _int(body, "top_logprobs", 0, MAX_LOGPROBS + 1, None)
+  if top is not None and not _bool(body, "logprobs"):
+    raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
   return GenerationRequest(messages=_messages(body.get("messages")),
+                           logprobs=(top or 0) if _bool(body, "logprobs") else None,
                            **_common(body, chat=True, max_tokens_field=field))
 
 

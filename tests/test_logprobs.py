@@ -1,0 +1,83 @@
+"""Log-probabilities from the step that samples: each sampled token's and the likeliest
+ones, in float32, equal transformers' `log_softmax` within 1e-4 on two checkpoints;
+greedy and sampled, chunked or not; and a request that asks none pays for none."""
+
+import numpy as np
+import pytest
+from hf_utils import hf_logits, make_checkpoint
+
+from configs import scheduler as scheduler_lib
+from kvpage import build
+from kvpage.request import SamplingParams
+from models import hf, llama
+
+torch = pytest.importorskip("torch", reason="the parity reference is transformers on torch")
+
+CHECKPOINTS = {"gqa_untied": dict(num_heads=4, num_kv_heads=2),
+               "mha_tied": dict(num_heads=4, num_kv_heads=4, tie=True, seed=3)}
+PROMPTS = [[5, 9, 13], list(range(1, 18)), [(7 * i) % 120 + 1 for i in range(33)]]
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory):
+  directory = tmp_path_factory.mktemp(request.param)
+  return directory, make_checkpoint(directory, **CHECKPOINTS[request.param])
+
+
+def _engine(directory, chunk_size: int):
+  config, params = hf.load(directory)
+  scheduler = scheduler_lib.get_scheduler_config()
+  scheduler.prefill_policy = "chunked" if chunk_size else "none"
+  scheduler.chunk_size = chunk_size
+  return build.jax_engine(llama, config, params, scheduler, num_pages=64, page_size=16)
+
+
+def _reference(model, prompt: list[int], output: list[int]) -> np.ndarray:
+  """transformers' log-softmax at each output position (teacher-forced), float64."""
+  logits = hf_logits(model, prompt + output[:-1]).astype(np.float64)
+  scores = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(
+      -1, keepdims=True)) - logits.max(-1, keepdims=True)
+  return scores[len(prompt) - 1:]
+
+
+@pytest.mark.parametrize("chunk_size", [0, 8])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sampled_and_top_logprobs_match_transformers(checkpoint, chunk_size, temperature):
+  directory, model = checkpoint
+  engine = _engine(directory, chunk_size)
+  sampling = SamplingParams(max_tokens=12, ignore_eos=True, temperature=temperature, seed=7,
+                            logprobs=5)
+  for prompt, request in zip(PROMPTS, engine.generate(PROMPTS, sampling), strict=True):
+    assert len(request.output_logprobs) == len(request.output_ids) == 12
+    reference = _reference(model, prompt, request.output_ids)
+    for position, (token, entry) in enumerate(zip(request.output_ids, request.output_logprobs,
+                                                  strict=True)):
+      expected = reference[position]
+      assert entry.token_id == token
+      assert abs(entry.logprob - expected[token]) < TOLERANCE
+      assert len(entry.top) == 5
+      ids, values = zip(*entry.top, strict=True)
+      np.testing.assert_allclose(values, np.sort(expected)[::-1][:5], atol=TOLERANCE)
+      assert list(values) == sorted(values, reverse=True)
+      assert all(abs(expected[i] - v) < TOLERANCE for i, v in zip(ids, values, strict=True))
+      if temperature == 0:  # greedy: the sampled token is the likeliest
+        assert ids[0] == token
+
+
+def test_a_request_without_logprobs_gets_none_beside_one_with(checkpoint):
+  directory, _ = checkpoint
+  engine = _engine(directory, 0)
+  plain, scored = engine.generate(
+      PROMPTS[:2], [SamplingParams(max_tokens=4, ignore_eos=True),
+                    SamplingParams(max_tokens=4, ignore_eos=True, logprobs=0)])
+  assert plain.output_logprobs == []
+  assert len(scored.output_logprobs) == 4 and all(e.top == () for e in scored.output_logprobs)
+  alone = _engine(directory, 0).generate(PROMPTS[:1], SamplingParams(max_tokens=4,
+                                                                     ignore_eos=True))
+  assert alone[0].output_ids == plain.output_ids  # scoring a neighbour changes nothing
+
+
+def test_logprobs_are_bounded():
+  with pytest.raises(ValueError, match="logprobs must be in"):
+    SamplingParams(max_tokens=1, logprobs=21)
