@@ -44,7 +44,7 @@ SMOKE = dict(prompt_len=32, output_len=8, at_once_requests=16, unloaded_requests
 NO_LINE = {"admission": "queue_only", "max_waiting": 0, "rate_limit": 0.0,
            "max_concurrent": 0, "max_inflight_tokens": 0, "max_forecast_ttft_s": 0.0,
            "max_ttft_slowdown": 0.0, "server.ttft_line_s": 0.0}
-ADMISSION_LINE = "kvpage serve: admission: "  # what a server says it holds, at start
+ADMISSION_LINE = "kvpage serve: lines held: "  # what a server says it holds, at start
 # The parts of a line: wait:F (x the TTFT SLO, seconds), tokens:F (x a full running
 # batch's tokens), step_tokens:N (a step's token budget; batching, not admission),
 # slowdown:S (max_ttft_slowdown: S x each request's own idle time to first token).

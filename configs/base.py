@@ -95,6 +95,12 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # wait_forecast, with a retry hint). It is in seconds of the deployment's TTFT SLO,
   # so a model config sets it from its own measurements (benchmarks/overload_http.py);
   # None or 0 = none (offline runs, serve_bench, never hold it).
+  # `watermark`: the KV line the server holds (`scheduler.watermark` when serving, unless
+  # the command line sets that): 0.4, from the line study (experiments/line_study.py,
+  # docs/serving.md). With the forecast-TTFT line at a quarter of the TTFT SLO, 0.4 serves
+  # a median 96% of the best tuned line's goodput over the 12 overloaded cells of the
+  # 13B-on-A100 setup (the scheduler's template, 0.15: 53%), as much as 0.15 at 1x, and
+  # the same as any watermark up to 0.5 on Yi-34B TP2, where memory never binds.
   #
   # Exposed to a network (docs/serving.md, "Hostile clients"): `max_connections` open
   # connections at most (0: from the process's file-descriptor limit); at the cap, a new
@@ -112,14 +118,21 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # `retry_audit`: how many refused requests the server watches at once to learn how long
   # each really had to wait (`scheduler.retry_audit` when serving, unless that is set;
   # /metrics: kvpage:retry_hint_ratio).
-  config.server = ml_collections.ConfigDict(dict(
+  config.server = server_defaults()
+  return config
+
+
+def server_defaults() -> ml_collections.ConfigDict:
+  """The `server` section every config starts from (see `build`'s comments)."""
+  placeholder = ml_collections.config_dict.placeholder
+  return ml_collections.ConfigDict(dict(
       host="127.0.0.1", port=8000, served_model_name="",
       max_queue_wait_s=placeholder(float), drain_timeout_s=30.0,
       status_interval_s=1.0, kv_pressure_status=503, ttft_line_s=placeholder(float),
+      watermark=0.4,
       max_connections=0, header_timeout_s=10.0, body_timeout_s=30.0, keep_alive_s=5.0,
       max_headers=100, max_header_bytes=65536, allowed_hosts="", allowed_origins="",
       open_probes=True, retry_jitter=0.25, retry_audit=64))
-  return config
 
 
 # Dimensions index int32 arrays on the device, so none may exceed int32.
@@ -228,6 +241,9 @@ def check_server(server) -> None:
                      f"{server.get('open_probes')!r}")
   if server.get("ttft_line_s") is not None:  # None or 0: no serving line
     _positive_number("server.ttft_line_s", server.ttft_line_s, zero_is_off=True)
+  mark = server.get("watermark", 0.0)
+  if not (isinstance(mark, (int, float)) and not isinstance(mark, bool) and 0 <= mark < 1):
+    raise ValueError(f"server.watermark must be a number in [0, 1), got {mark!r}")
   if server.get("kv_pressure_status") not in (429, 503):
     raise ValueError(f"server.kv_pressure_status must be 503 or 429, got "
                      f"{server.get('kv_pressure_status')!r}")

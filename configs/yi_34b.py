@@ -12,4 +12,9 @@ from configs import base
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  return base.build("yi_34b", "fp16", arg, hardware="a100_80gb_pcie", tensor_parallel=2)
+  config = base.build("yi_34b", "fp16", arg, hardware="a100_80gb_pcie", tensor_parallel=2)
+  # A quarter of the line study's ShareGPT-like TTFT SLO on this setup (2.383 s), the
+  # shipped rule (experiments/line_study.py, `SHIPPED_WAIT`); the study shows where it
+  # falls short here (memory never binds: the compute lines do better).
+  config.server.ttft_line_s = 0.596
+  return config

@@ -327,18 +327,33 @@ def apply_scheduler_shortcuts(config, holders: dict[str, flags.FlagHolder]) -> N
     config.scheduler[name] = value
 
 
-def hold_serving_line(config: Any) -> str:
-  """The server's default forecast-TTFT line (`server.ttft_line_s`) into the scheduler
-  section, unless that holds a forecast-TTFT line of its own; says which line holds."""
+def flag_or_override_given(*names: str) -> bool:
+  """Whether the command line gave any of the flags `names` (a shortcut such as
+  `watermark`, or a config override such as `config.scheduler.watermark`)."""
+  return any(name in flags.FLAGS and flags.FLAGS[name].present for name in names)
+
+
+def hold_serving_line(config: Any, watermark_given: bool = False) -> str:
+  """The server's default lines into the scheduler section: its KV watermark
+  (`server.watermark`) unless the command line set the scheduler's (`watermark_given`),
+  and its forecast-TTFT line (`server.ttft_line_s`) unless the scheduler section holds
+  one of its own; says which lines hold."""
   scheduler, line = config.scheduler, config.server.get("ttft_line_s")
+  mark = config.server.get("watermark")
+  if mark is not None and not watermark_given and scheduler.admission == "watermark":
+    scheduler.watermark = float(mark)
+    kv = f"KV watermark {mark:g} (server.watermark)"
+  else:
+    kv = (f"KV watermark {scheduler.watermark:g} (scheduler.watermark)"
+          if scheduler.admission == "watermark" else "no KV line (admission queue_only)")
   if scheduler.max_forecast_ttft_s or scheduler.max_ttft_slowdown:
-    return ("forecast TTFT line of the scheduler section: "
+    return (f"{kv}; forecast TTFT line of the scheduler section: "
             + ", ".join(f"{name} {scheduler[name]:g}" for name in
                         ("max_forecast_ttft_s", "max_ttft_slowdown") if scheduler[name]))
   if not line:
-    return "no forecast TTFT line (server.ttft_line_s unset)"
+    return f"{kv}; no forecast TTFT line (server.ttft_line_s unset)"
   scheduler.max_forecast_ttft_s = float(line)
-  return f"forecast TTFT line {line:g} s (server.ttft_line_s)"
+  return f"{kv}; forecast TTFT line {line:g} s (server.ttft_line_s)"
 
 
 def apply_retry_policy(config: Any) -> None:

@@ -23,10 +23,10 @@ under each admission line an operator could hold, each swept over its own knob:
     coordinate-wise, as fairly as each line alone: the watermark the KV line does best
     with at that traffic and load, then swept over the wait;
   * `shipped`: what `experiments.serve` holds out of the box: the scheduler config's
-    admission defaults (KV watermark, `max_waiting`) with a forecast-TTFT line at
-    `SHIPPED_WAIT` x the strictest TTFT SLO (the wait line's usual best: see there).
-    Swept over the watermark, so that the study also says whether the shipped watermark
-    should move; its claims read it at the shipped one.
+    admission defaults (`max_waiting`) with a forecast-TTFT line at `SHIPPED_WAIT` x the
+    strictest TTFT SLO (the wait line's usual best: see there) and the KV watermark,
+    swept: so the study says which watermark to ship (`server.watermark`, 0.4 from this
+    sweep); its claims read the line at the shipped one.
 
 Traffic: a long/short mix (`mix:0.1:8000:50`: one prompt in ten is 8,000 tokens) and
 a ShareGPT-like lognormal, steady (Poisson) and bursty (gamma, CV 3), at 1x, 2x, 5x
@@ -66,6 +66,7 @@ from typing import Any
 import numpy as np
 from absl import flags
 
+from configs import base as base_config
 from configs import scheduler as scheduler_config
 from experiments import claims, cli, sim_setups, sweep
 from experiments.sim_setups import SimSetup
@@ -84,6 +85,7 @@ LINES = ("none", "rate", "concurrency", "queue", "tokens", "kv", "wait", "slowdo
 # and 0.25x is its best or within `TIE` of it in 14 (0.5x: in 8).
 SHIPPED_WAIT = 0.25
 SHIPPED = scheduler_config.get_scheduler_config()  # admission defaults as shipped
+SHIPPED_WATERMARK = base_config.server_defaults().watermark  # the server's KV line
 UNLOADED = 0.05  # the unloaded run's load, x the throughput with everything at once
 SLO_FACTOR = 3.0  # each SLO is this many times the unloaded run's figure
 ATTAINMENT = 0.9  # sustainable: this share of requests within both SLOs, with no line
@@ -423,7 +425,7 @@ def claim_combination_needed(table: dict[str, Any], mix: str, arrival: str,
 
 def _shipped(by_line: dict[str, Any]) -> dict[str, Any] | None:
   """The shipped line's figures at the shipped watermark (None: not run there)."""
-  return by_line["shipped"]["by_knob"].get(str(SHIPPED.watermark))
+  return by_line["shipped"]["by_knob"].get(str(SHIPPED_WATERMARK))
 
 
 def claim_shipped_serves(table: dict[str, Any], mix: str, arrival: str,
@@ -440,7 +442,7 @@ def claim_shipped_serves(table: dict[str, Any], mix: str, arrival: str,
   why = ("the shipped watermark was not run" if ours is None else
          "no line serves anything")
   return dict(claim=f"{mix}, {arrival}, {load}: the shipped default (watermark "
-                    f"{SHIPPED.watermark:g}, forecast-TTFT line {SHIPPED_WAIT:g}x the TTFT "
+                    f"{SHIPPED_WATERMARK:g}, forecast-TTFT line {SHIPPED_WAIT:g}x the TTFT "
                     f"SLO), untuned, serves within {TIE:.0%} of the best tuned line",
               verdict=_verdict(holds, why),
               evidence=f"shipped {ours if ours is None else f'{ours:.3f}'} vs {best} "

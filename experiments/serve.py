@@ -152,7 +152,8 @@ def main(argv: list[str]) -> None:
   configs_check.check(config)
   if _PROCESSES.process_id.value == 0:  # the one that serves: its port, before warm-up
     server.check_address(config.server.host, config.server.port)
-  line = cli.hold_serving_line(config)
+  line = cli.hold_serving_line(config, watermark_given=cli.flag_or_override_given(
+      "watermark", "config.scheduler.watermark"))
   cli.apply_retry_policy(config)
   tokenizer, eos_ids = None, ()
   if checkpoint:
@@ -169,8 +170,7 @@ def main(argv: list[str]) -> None:
                      f"is {setup.config.model.vocab_size}")
   if build.follow(setup.engine):  # a process other than 0: it steps, process 0 serves
     return
-  print(f"kvpage serve: admission: {config.scheduler.admission}, watermark "
-        f"{config.scheduler.watermark:g}; {line}", flush=True)
+  print(f"kvpage serve: lines held: {line}", flush=True)
   try:
     _serve(setup, tokenizer, eos_ids,
            model_name or (checkpoint.rstrip("/").split("/")[-1] if checkpoint

@@ -84,17 +84,24 @@ def test_the_server_holds_its_serving_line_unless_the_scheduler_holds_one():
   from experiments import cli
   config = tiny.get_config()
   assert config.server.ttft_line_s == 0.05 and config.scheduler.max_forecast_ttft_s == 0
-  assert cli.hold_serving_line(config) == "forecast TTFT line 0.05 s (server.ttft_line_s)"
-  assert config.scheduler.max_forecast_ttft_s == 0.05
+  assert cli.hold_serving_line(config) == ("KV watermark 0.4 (server.watermark); forecast "
+                                           "TTFT line 0.05 s (server.ttft_line_s)")
+  assert config.scheduler.max_forecast_ttft_s == 0.05 and config.scheduler.watermark == 0.4
+  config = tiny.get_config()  # a watermark the command line set holds instead
+  config.scheduler.watermark = 0.2
+  assert cli.hold_serving_line(config, watermark_given=True).startswith(
+      "KV watermark 0.2 (scheduler.watermark);")
+  assert config.scheduler.watermark == 0.2
   config = tiny.get_config()
   config.scheduler.max_ttft_slowdown = 4.0  # a line of the scheduler's own takes its place
   assert "max_ttft_slowdown 4" in cli.hold_serving_line(config)
   assert config.scheduler.max_forecast_ttft_s == 0
   config = tiny.get_config()
   config.server.ttft_line_s = 0.0  # off
-  assert cli.hold_serving_line(config).startswith("no forecast TTFT line")
+  assert cli.hold_serving_line(config).endswith("; no forecast TTFT line (server.ttft_line_s "
+                                                "unset)")
   assert config.scheduler.max_forecast_ttft_s == 0
-  assert llama_13b.get_config().server.ttft_line_s is None  # no serving line measured
+  assert llama_13b.get_config().server.ttft_line_s == 0.357  # 0.25x the line study's SLO
 
 
 @pytest.mark.parametrize("value", [-0.1, float("inf"), "0.1", True])

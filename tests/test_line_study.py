@@ -72,7 +72,7 @@ def shipped_table(shipped: dict | None, **goodputs: float) -> dict:
   """`table` with the shipped line run at its best watermark 0.3 and, unless `shipped` is
   None, at the shipped watermark with the figures `shipped` gives."""
   made = table(**{**ALL, **goodputs})
-  watermark = str(line_study.SHIPPED.watermark)
+  watermark = str(line_study.SHIPPED_WATERMARK)
   by_knob = {"0.3": {"goodput_requests_per_s": 0.95, "num_preemptions": 0.0,
                      "num_aborted": 0.0}}
   if shipped is not None:
