@@ -188,6 +188,13 @@ class Executor(abc.ABC):
     executor that computes no logits, as the simulator)."""
     return {}
 
+  def prompt_logprobs(self) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+    """The last collected step's prompt log-probabilities: per request that asks
+    (`SamplingParams.prompt_logprobs`), `(position, entry)` for each prompt token the
+    step scored (position p: the token at p, by the logits at p - 1). This default:
+    none."""
+    return {}
+
   @abc.abstractmethod
   def submit(self, output: SchedulerOutput) -> Any:
     """Launches the step without waiting for it; returns the ticket `collect` takes."""

@@ -61,6 +61,9 @@ class SamplingParams:
   # Log-probabilities of each sampled token and of the `logprobs` likeliest (0: the
   # sampled token's only; None: none), from the step that sampled it.
   logprobs: int | None = None
+  # The same for every prompt token after the first (each scored by the logits at the
+  # token before it; `echo` with logprobs): computed, never read from the prefix cache.
+  prompt_logprobs: int | None = None
 
   def __post_init__(self) -> None:
     if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -74,8 +77,10 @@ class SamplingParams:
     if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
       raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                        f"got {self.min_tokens!r}")
-    if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-      raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+      value = getattr(self, name)
+      if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value!r}")
     object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
 
@@ -115,6 +120,8 @@ class Request:
   output_ids: list[int] = dataclasses.field(default_factory=list)
   # With `sampling.logprobs`: one entry per token of `output_ids`, as the steps return them.
   output_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+  # With `sampling.prompt_logprobs`: by prompt position (None at 0, and until computed).
+  prompt_logprobs: list[TokenLogprobs | None] = dataclasses.field(default_factory=list)
   page_ids: list[int] = dataclasses.field(default_factory=list)
   host_page_ids: list[int] = dataclasses.field(default_factory=list)
   num_computed_tokens: int = 0

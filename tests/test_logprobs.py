@@ -25,12 +25,13 @@ def checkpoint(request, tmp_path_factory):
   return directory, make_checkpoint(directory, **CHECKPOINTS[request.param])
 
 
-def _engine(directory, chunk_size: int):
+def _engine(directory, chunk_size: int, prefix_caching: bool = False):
   config, params = hf.load(directory)
   scheduler = scheduler_lib.get_scheduler_config()
   scheduler.prefill_policy = "chunked" if chunk_size else "none"
   scheduler.chunk_size = chunk_size
-  return build.jax_engine(llama, config, params, scheduler, num_pages=64, page_size=16)
+  return build.jax_engine(llama, config, params, scheduler, num_pages=64, page_size=16,
+                          prefix_caching=prefix_caching)
 
 
 def _reference(model, prompt: list[int], output: list[int]) -> np.ndarray:
@@ -81,3 +82,30 @@ def test_a_request_without_logprobs_gets_none_beside_one_with(checkpoint):
 def test_logprobs_are_bounded():
   with pytest.raises(ValueError, match="logprobs must be in"):
     SamplingParams(max_tokens=1, logprobs=21)
+
+
+@pytest.mark.parametrize("chunk_size", [0, 8])
+def test_prompt_logprobs_match_transformers_and_skip_the_prefix_cache(checkpoint, chunk_size):
+  directory, model = checkpoint
+  engine = _engine(directory, chunk_size, prefix_caching=True)
+  prompt = PROMPTS[2]  # 33 tokens: two full pages, a cache hit for a second request
+  logits = hf_logits(model, prompt).astype(np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  expected = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # row p scores p + 1
+  sampling = SamplingParams(max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+  for _ in range(2):  # the second run would find the prompt's pages cached
+    (request,) = engine.generate([prompt], sampling)
+    scored = request.prompt_logprobs
+    assert len(scored) == len(prompt) and scored[0] is None
+    for position in range(1, len(prompt)):
+      entry, row = scored[position], expected[position - 1]
+      assert entry.token_id == prompt[position]
+      assert abs(entry.logprob - row[prompt[position]]) < TOLERANCE
+      ids, values = zip(*entry.top, strict=True)
+      np.testing.assert_allclose(values, np.sort(row)[::-1][:3], atol=TOLERANCE)
+      assert all(abs(row[i] - v) < TOLERANCE for i, v in zip(ids, values, strict=True))
+    assert request.output_logprobs == []  # (none asked for the samples)
+  assert engine.scheduler.page_pool.prefix.stats.hit_tokens == 0  # computed, not looked up
+  # A request that does not ask reuses the pages the scored ones left.
+  engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
+  assert engine.scheduler.page_pool.prefix.stats.hit_tokens == 32

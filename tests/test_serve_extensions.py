@@ -189,3 +189,42 @@ def test_chat_logprobs_and_top_logprobs(server):
              for item in without_top["choices"][0]["logprobs"]["content"])
   refused = _post(server, "/v1/chat/completions", {**body, "logprobs": False})
   assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+
+
+def test_an_evaluation_harness_scores_a_continuation_by_echo(server, checkpoint):
+  # lm-evaluation-harness's `local-completions` log-likelihood request: the context and
+  # the continuation as one prompt of token ids, echoed with logprobs (max_tokens 1 or
+  # 0); it sums the continuation's token_logprobs and checks each is the top one.
+  from transformers import AutoTokenizer
+
+  context = AutoTokenizer.from_pretrained(str(checkpoint)).encode(PROMPT)
+  generated = _post(server, "/v1/completions", {
+      "prompt": context, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 1,
+      "return_token_ids": True}).json()["choices"][0]
+  prompt = context + generated["token_ids"]
+  for max_tokens in (1, 0):
+    answer = _post(server, "/v1/completions", {
+        "prompt": [prompt], "max_tokens": max_tokens, "temperature": 0, "logprobs": 1,
+        "echo": True, "seed": 1234})
+    assert answer.status_code == 200, answer.text
+    choice = answer.json()["choices"][0]
+    scored = choice["logprobs"]
+    assert len(scored["tokens"]) == len(prompt) + max_tokens
+    assert scored["token_logprobs"][0] is None and scored["top_logprobs"][0] is None
+    continuation = scored["token_logprobs"][len(context):len(prompt)]
+    # The same logits scored the continuation when it was generated: the same numbers.
+    assert continuation == pytest.approx(generated["logprobs"]["token_logprobs"], abs=1e-4)
+    for logprob, top in zip(continuation, scored["top_logprobs"][len(context):len(prompt)],
+                            strict=True):
+      assert logprob == pytest.approx(max(top.values()), abs=1e-6)  # greedy continuation
+    if max_tokens == 0:  # the prompt scored, nothing generated
+      assert answer.json()["usage"]["completion_tokens"] == 0
+      assert choice["finish_reason"] == "length"
+  streamed = _events(_post(server, "/v1/completions", {
+      "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0, "stream": True}))
+  assert streamed[0]["choices"][0]["text"] == PROMPT
+  assert len(streamed[0]["choices"][0]["logprobs"]["tokens"]) == len(context)
+  assert "".join(chunk["choices"][0]["text"] for chunk in streamed) == PROMPT
+  refused = _post(server, "/v1/chat/completions", {
+      "messages": [{"role": "user", "content": "Hi"}], "echo": True})
+  assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"

@@ -58,6 +58,10 @@ class Ticket:
   # dispatch_logprobs`), still on the device, and each row's request's count of top ones.
   scores: jax.Array | None = None
   num_top: tuple[int | None, ...] = ()
+  # With a request that asks for prompt log-probabilities: every token row's scores,
+  # and which rows are whose: (request id, first row, first position, rows, top count).
+  row_scores: jax.Array | None = None
+  prompt_rows: tuple[tuple[str, int, int, int, int], ...] = ()
 
 
 class JaxExecutor(Executor):
@@ -104,6 +108,7 @@ class JaxExecutor(Executor):
     self._feed: jax.Array | None = None  # the last launched step's sampled ids (device)
     self._feed_rows: dict[str, int] = {}  # request -> its row in `_feed`
     self._logprobs: dict[str, TokenLogprobs] = {}  # the last collected step's
+    self._prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = {}  # ... and these
 
   @property
   def page_size(self) -> int:
@@ -138,10 +143,18 @@ class JaxExecutor(Executor):
     wanted = {seq.request_id: seq.request.sampling.logprobs for seq in output.scheduled}
     num_top = tuple(wanted.get(request_id) if samples else None
                     for request_id, samples in zip(info.request_ids, info.samples))
-    scores = None
+    scores = row_scores = None
+    targets, prompt_rows = _prompt_targets(output, batch.token_ids.shape[0])
     if output.num_steps > 1:  # multi-step decoding: samples [num_steps, feed_width]
       tokens, feed, self.cache = self.step.dispatch_multi(
           self.params, self.cache, batch, info.all_greedy, self._feed, output.num_steps)
+    elif prompt_rows:  # the same pass, every token row scored too
+      tokens, scores, row_scores, self.cache = self.step.dispatch_prompt_logprobs(
+          self.params, self.cache, batch, info.all_greedy, self._feed, targets, MAX_LOGPROBS)
+      feed = tokens
+      scores, row_scores = scores.addressable_data(0), row_scores.addressable_data(0)
+      scores.copy_to_host_async()
+      row_scores.copy_to_host_async()
     elif any(top is not None for top in num_top):  # the same pass, scored too
       tokens, scores, self.cache = self.step.dispatch_logprobs(
           self.params, self.cache, batch, info.all_greedy, self._feed, MAX_LOGPROBS)
@@ -160,12 +173,13 @@ class JaxExecutor(Executor):
     self._feed_rows = {request_id: row for row, (request_id, samples)
                        in enumerate(zip(info.request_ids, info.samples)) if samples}
     self.num_launches += 1
-    return Ticket(tokens, info, scores, num_top if scores is not None else ())
+    return Ticket(tokens, info, scores, num_top if scores is not None else (), row_scores,
+                  prompt_rows)
 
   def collect(self, ticket: Ticket) -> Samples:
     """Waits for a launched step: a sampled token per sequence that samples (a list of
     its `num_steps` tokens for a multi-step sequence)."""
-    self._logprobs = {}
+    self._logprobs, self._prompt_logprobs = {}, {}
     if ticket.tokens is None or ticket.info is None:
       return {}
     info = ticket.info
@@ -174,6 +188,9 @@ class JaxExecutor(Executor):
       if ticket.scores is not None:
         self._logprobs = _token_logprobs(jax.device_get(ticket.scores), tokens, ticket.num_top,
                                          info.request_ids)
+      if ticket.row_scores is not None:
+        self._prompt_logprobs = _row_logprobs(jax.device_get(ticket.row_scores),
+                                              ticket.prompt_rows)
     if tokens.ndim == 1:
       return {request_id: token for request_id, token, samples
               in zip(info.request_ids, tokens[:info.num_seqs].tolist(), info.samples)
@@ -186,6 +203,10 @@ class JaxExecutor(Executor):
   def logprobs(self) -> dict[str, TokenLogprobs]:
     """The last collected step's log-probabilities, for the rows whose request asks."""
     return self._logprobs
+
+  def prompt_logprobs(self) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+    """The last collected step's prompt log-probabilities (see `Executor`)."""
+    return self._prompt_logprobs
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
              progress: Callable[[int, int], None] | None = None) -> int:
@@ -253,4 +274,40 @@ def _token_logprobs(scores: np.ndarray, tokens: np.ndarray, num_top: Sequence[in
     ids = values[1 + MAX_LOGPROBS:].astype(np.int64)
     out[request_id] = TokenLogprobs(int(tokens[row]), float(values[0]), tuple(
         (int(i), float(v)) for i, v in zip(ids[:top], values[1:1 + top])))
+  return out
+
+
+def _prompt_targets(output: SchedulerOutput, num_rows: int
+                    ) -> tuple[np.ndarray, tuple[tuple[str, int, int, int, int], ...]]:
+  """For the sequences whose request asks for prompt log-probabilities: each token
+  row's target (the prompt token after it; -1 past the prompt's end, and for every other
+  row) and the rows' owners, `(request id, first row, first position, rows, top
+  count)`. Rows follow `output.scheduled`, each sequence's tokens in a run
+  (`kvpage.batch.build`)."""
+  targets = np.full(num_rows, -1, np.int32)
+  owners, row = [], 0
+  for seq in output.scheduled:
+    top = seq.request.sampling.prompt_logprobs
+    prompt = seq.request.prompt_ids
+    if top is not None and seq.is_prefill and seq.start_position < len(prompt) - 1:
+      stop = min(seq.start_position + seq.num_tokens, len(prompt) - 1)
+      count = stop - seq.start_position
+      targets[row:row + count] = prompt[seq.start_position + 1:stop + 1]
+      owners.append((seq.request_id, row, seq.start_position, count, top))
+    row += seq.num_tokens
+  return targets, tuple(owners)
+
+
+def _row_logprobs(scores: np.ndarray, owners: Sequence[tuple[str, int, int, int, int]]
+                  ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+  """Token rows' scores (`Step.dispatch_prompt_logprobs`) for their owners: position p
+  + 1's token scored by row p's logits, with the owner's count of the likeliest."""
+  out: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+  for request_id, first_row, first_position, count, top in owners:
+    entries = out.setdefault(request_id, [])
+    for i in range(count):
+      values = scores[first_row + i]
+      ids = values[1 + MAX_LOGPROBS:].astype(np.int64)
+      entries.append((first_position + i + 1, TokenLogprobs(-1, float(values[0]), tuple(
+          (int(t), float(v)) for t, v in zip(ids[:top], values[1:1 + top])))))
   return out

@@ -115,6 +115,9 @@ class Leader(Executor):
   def logprobs(self) -> dict[str, Any]:
     return self.executor.logprobs()
 
+  def prompt_logprobs(self) -> dict[str, Any]:
+    return self.executor.prompt_logprobs()
+
   def warmup(self, *args: Any, progress: Any = None, **kwargs: Any) -> int:
     self._send(("warmup", args, kwargs))  # (the followers report no progress)
     return self.executor.warmup(*args, progress=progress, **kwargs)

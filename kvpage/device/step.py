@@ -73,6 +73,14 @@ def _fed_tokens(batch: StepBatch, feed: jax.Array) -> jax.Array:
   return jnp.where(batch.token_ids < 0, fed, batch.token_ids)
 
 
+def _pack_scores(scores: jax.Array, chosen: jax.Array, num_logprobs: int) -> jax.Array:
+  """Per row of log-probabilities `scores`: the `chosen` token's, the `num_logprobs`
+  likeliest, and their ids (as float32: exact below 2^24), `f32[rows, 1 + 2 * k]`."""
+  picked = jnp.take_along_axis(scores, chosen[:, None], axis=1)
+  top_scores, top_ids = jax.lax.top_k(scores, num_logprobs)
+  return jnp.concatenate([picked, top_scores, top_ids.astype(jnp.float32)], axis=1)
+
+
 class Step:
   """A model's forward function and the sampler, jitted: `dispatch`, `dispatch_multi`."""
 
@@ -94,6 +102,11 @@ class Step:
     self._jitted_logprobs = jax.jit(self._step_logprobs, donate_argnums=(1,),
                                     static_argnames=("layout", "all_greedy", "num_logprobs"),
                                     **scored)
+    prompted = {} if tp is None else dict(
+        out_shardings=(tp.replicated, tp.replicated, tp.replicated, tp.cache))
+    self._jitted_prompt_logprobs = jax.jit(
+        self._step_prompt_logprobs, donate_argnums=(1,),
+        static_argnames=("layout", "all_greedy", "num_logprobs"), **prompted)
     self._no_feed = None
 
   def _step(self, params, cache, packed, feed, layout, all_greedy):
@@ -114,10 +127,27 @@ class Step:
     logits, cache = self.forward(params, cache, batch)
     tokens = sampling.sample(logits, batch, all_greedy=all_greedy)
     scores = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    chosen = jnp.take_along_axis(scores, tokens[:, None], axis=1)
-    top_scores, top_ids = jax.lax.top_k(scores, num_logprobs)
-    packed_scores = jnp.concatenate([chosen, top_scores, top_ids.astype(jnp.float32)], axis=1)
-    return jnp.zeros_like(feed).at[:tokens.shape[0]].set(tokens), packed_scores, cache
+    return (jnp.zeros_like(feed).at[:tokens.shape[0]].set(tokens),
+            _pack_scores(scores, tokens, num_logprobs), cache)
+
+  def _step_prompt_logprobs(self, params, cache, packed, feed, targets, layout, all_greedy,
+                            num_logprobs):
+    """`_step_logprobs`, and every token row scored against `targets` (the prompt token
+    that follows it; -1: none): the model's logits at all rows, not only the sampled
+    ones, from the same forward pass. Returns the ids, the sampled rows' scores and the
+    token rows' scores, both packed as `_step_logprobs` packs them."""
+    self.num_compiles += 1
+    batch = _unpack(packed, layout)
+    batch = batch._replace(token_ids=_fed_tokens(batch, feed))
+    rows = batch.token_ids.shape[0]
+    every_row = batch._replace(logits_indices=jnp.arange(rows, dtype=jnp.int32))
+    logits_all, cache = self.forward(params, cache, every_row)
+    scores_all = jax.nn.log_softmax(logits_all.astype(jnp.float32), axis=-1)
+    logits = logits_all[batch.logits_indices]
+    tokens = sampling.sample(logits, batch, all_greedy=all_greedy)
+    sampled = _pack_scores(scores_all[batch.logits_indices], tokens, num_logprobs)
+    prompt = _pack_scores(scores_all, jnp.maximum(targets, 0), num_logprobs)
+    return (jnp.zeros_like(feed).at[:tokens.shape[0]].set(tokens), sampled, prompt, cache)
 
   def _multi_step(self, params, cache, packed, feed, layout, all_greedy, num_steps):
     """Up to `num_steps` decode iterations in one program; row s runs `batch.num_steps[s]`.
@@ -211,6 +241,21 @@ class Step:
     return self._jitted_logprobs(params, cache, jax.device_put(packed, self._whole), feed,
                                  layout=layout, all_greedy=all_greedy,
                                  num_logprobs=num_logprobs)
+
+  def dispatch_prompt_logprobs(self, params: Any, cache: paged_cache.PagedKVCache,
+                               batch: StepBatch, all_greedy: bool, feed: jax.Array | None,
+                               targets: np.ndarray, num_logprobs: int
+                               ) -> tuple[jax.Array, jax.Array, jax.Array,
+                                          paged_cache.PagedKVCache]:
+    """`dispatch_logprobs`, and each token row's score against `targets` (`i32[rows]`,
+    the batch's padded token count): returns `(ids, sampled scores, row scores, cache)`
+    at once."""
+    feed = self._checked_feed(batch, feed)
+    packed, layout = batch_lib.pack(batch)
+    return self._jitted_prompt_logprobs(
+        params, cache, jax.device_put(packed, self._whole), feed,
+        jax.device_put(targets, self._whole), layout=layout, all_greedy=all_greedy,
+        num_logprobs=num_logprobs)
 
   def dispatch_multi(self, params: Any, cache: paged_cache.PagedKVCache, batch: StepBatch,
                      all_greedy: bool, feed: jax.Array | None, num_steps: int

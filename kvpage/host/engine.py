@@ -40,6 +40,9 @@ class RequestOutput(NamedTuple):
   status: str
   # With `SamplingParams.logprobs`: the new tokens' log-probabilities, one each.
   new_logprobs: tuple[TokenLogprobs, ...] = ()
+  # With `SamplingParams.prompt_logprobs`, on the output of its first token: the
+  # prompt's, by position (None at 0).
+  prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 class Engine:
@@ -125,6 +128,7 @@ class Engine:
     new_tokens = {seq.request_id: seq.request.output_ids[before[seq.request_id]:]
                   for seq in output.scheduled if seq.request_id in before}
     new_logprobs = self._attach_logprobs(output, new_tokens)
+    prompt_logprobs = self._attach_prompt_logprobs(output, before, new_tokens)
     if self.on_step is not None:
       self.on_step(output, new_tokens, finished)
     # Keyed by the request itself, not its id: an id reused after an abort names two
@@ -144,9 +148,32 @@ class Engine:
       self._reported.add(request)
     return [RequestOutput(request.request_id, tokens, request.status is RequestStatus.FINISHED,
                           request.finish_reason, request.status.value,
-                          new_logprobs.get(request.request_id, ()))
+                          new_logprobs.get(request.request_id, ()),
+                          prompt_logprobs.get(request.request_id))
             for request, tokens in touched.items()
             if request.request_id in sampled or request.status is RequestStatus.FINISHED]
+
+  def _attach_prompt_logprobs(self, output: SchedulerOutput, before: dict[str, int],
+                              new_tokens: dict[str, list[int]]
+                              ) -> dict[str, tuple[TokenLogprobs | None, ...]]:
+    """The step's prompt log-probabilities (`Executor.prompt_logprobs`), into their
+    requests' `prompt_logprobs` by position; returns, by request id, the whole prompt's
+    for each request that sampled its first token in this step."""
+    asking = [seq for seq in output.scheduled if seq.request.sampling.prompt_logprobs is not None]
+    if not asking:
+      return {}
+    computed = self.executor.prompt_logprobs()
+    whole = {}
+    for seq in asking:
+      request = seq.request
+      if not request.prompt_logprobs:
+        request.prompt_logprobs = [None] * request.num_prompt_tokens
+      for position, entry in computed.get(seq.request_id, ()):
+        request.prompt_logprobs[position] = entry._replace(
+            token_id=request.prompt_ids[position])
+      if before.get(seq.request_id) == 0 and new_tokens.get(seq.request_id):
+        whole[seq.request_id] = tuple(request.prompt_logprobs)
+    return whole
 
   def _attach_logprobs(self, output: SchedulerOutput, new_tokens: dict[str, list[int]]
                        ) -> dict[str, tuple[TokenLogprobs, ...]]:

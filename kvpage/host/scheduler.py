@@ -548,8 +548,8 @@ class Scheduler:
     """A waiting request's longest cached prefix, in whole pages, leaving at least its
     last token to compute (its logits sample the next token)."""
     pool = self.page_pool
-    if pool.prefix is None:
-      return []
+    if pool.prefix is None or request.sampling.prompt_logprobs is not None:
+      return []  # (prompt log-probabilities need the prompt's logits: all computed here)
     max_pages = (request.num_tokens - 1) // pool.page_size
     hashes = prefix_cache.request_hashes(request, max_pages * pool.page_size, pool.page_size)
     return pool.cached_prefix(hashes, max_pages)

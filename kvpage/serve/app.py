@@ -236,13 +236,16 @@ class Gateway:
                      "server_error", "engine_dead")
     created = int(time.time())  # the response's `created`: when the request came
     prompt_ids = await self._prompt_ids(gen)
-    if gen.max_tokens is None and len(prompt_ids) >= self.config.max_model_len:
+    if ((gen.max_tokens is None or _scoring_only(gen))
+        and len(prompt_ids) >= self.config.max_model_len):
       # (named in what the client sent: no max_tokens of ours in the message)
       raise ApiError(400, f"the prompt's {len(prompt_ids):,} tokens leave no room for output "
                      f"in the model's context of {self.config.max_model_len:,} tokens",
                      code="context_length_exceeded",
                      param="messages" if gen.chat else "prompt")
-    max_tokens = gen.max_tokens or (
+    # Echo with max_tokens 0 scores the prompt only: one token is sampled (its step
+    # computes the prompt's logits) and dropped.
+    max_tokens = 1 if _scoring_only(gen) else gen.max_tokens or (
         max(1, self.config.max_model_len - len(prompt_ids)) if gen.chat
         else DEFAULT_COMPLETION_TOKENS)
     if gen.min_tokens > max_tokens:  # (only a default max_tokens can fall short here)
@@ -253,7 +256,8 @@ class Gateway:
     sampling = SamplingParams(
         max_tokens=max_tokens, temperature=gen.temperature, top_k=gen.top_k, top_p=gen.top_p,
         seed=gen.seed, stop_token_ids=tuple(dict.fromkeys((*gen.stop_token_ids, *eos))),
-        min_tokens=gen.min_tokens, logprobs=gen.logprobs)
+        min_tokens=gen.min_tokens, logprobs=gen.logprobs,
+        prompt_logprobs=gen.logprobs if gen.echo else None)
     request_id = self._request_id(gen, http)
     submission = Submission(request_id, prompt_ids, sampling, gen.priority,
                             self._deadline(gen, http), gen.stop, arrived,
@@ -392,10 +396,12 @@ class Gateway:
       return f"token_id:{token_id}"
     return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-  def _logprobs(self, gen: GenerationRequest,
-                entries: Sequence[TokenLogprobs]) -> dict[str, Any]:
+  def _logprobs(self, gen: GenerationRequest, entries: Sequence[TokenLogprobs],
+                prompt: Sequence[int] = (),
+                prompt_entries: Sequence[TokenLogprobs | None] = ()) -> dict[str, Any]:
     """`entries` in OpenAI's shape: chat's `content` list, or completions' four lists
-    (the top dicts hold the sampled token too, as vLLM's do)."""
+    (the top dicts hold the sampled token too, as vLLM's do), after the `prompt` tokens'
+    (echo: null for the first, which nothing scores)."""
     if gen.chat:
       def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token_id)
@@ -403,12 +409,24 @@ class Gateway:
 
       return {"content": [item(e.token_id, e.logprob) | {
           "top_logprobs": [item(i, v) for i, v in e.top]} for e in entries]}
-    tokens = [self._token_text(e.token_id) for e in entries]
+    scored: list[TokenLogprobs | None] = [*(prompt_entries or [None] * len(prompt)), *entries]
+    ids = [*prompt, *(e.token_id for e in entries)]
+    tokens = [self._token_text(token_id) for token_id in ids]
     offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{self._token_text(i): v for i, v in
-                              (*e.top, (e.token_id, e.logprob))} for e in entries],
+    return {"tokens": tokens,
+            "token_logprobs": [None if e is None else e.logprob for e in scored],
+            "top_logprobs": [None if e is None else {
+                self._token_text(i): v for i, v in (*e.top, (e.token_id, e.logprob))}
+                for e in scored],
             "text_offset": offsets}
+
+  def _echo(self, gen: GenerationRequest, stream: Stream) -> str:
+    """The prompt as the answer repeats it (echo): its text, else its ids decoded."""
+    if gen.prompt_text is not None:
+      return gen.prompt_text
+    if self.tokenizer is None:
+      return ""
+    return self.tokenizer.decode(stream.request.prompt_ids, skip_special_tokens=False)
 
   def _usage(self, stream: Stream, num_output_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": stream.num_prompt_tokens,
@@ -434,7 +452,7 @@ class Gateway:
   async def _events(self, gen: GenerationRequest, stream: Stream) -> AsyncIterator[bytes]:
     """The SSE stream of one admitted request; aborts it if the client goes away."""
     assert self.loop is not None
-    ended = False
+    ended, echoed = False, False
     state, told_waiting = "queueing", False
     try:
       if gen.chat:
@@ -463,10 +481,21 @@ class Gateway:
           yield _sse(self._ended_error(delta).body())
           yield b"data: [DONE]\n\n"
           return
-        if delta.text or (delta.token_ids and self._shows_tokens(gen)):
+        if gen.echo and not echoed:  # the prompt first, with its log-probabilities
+          echoed = True
+          chunk = self._chunk(gen, stream, self._echo(gen, stream), (), None)
+          if gen.logprobs is not None:
+            chunk["choices"][0]["logprobs"] = self._logprobs(
+                gen, (), stream.request.prompt_ids, delta.prompt_logprobs or ())
+          yield _sse(chunk)
+        scoring = _scoring_only(gen)
+        if not scoring and (delta.text or (delta.token_ids and self._shows_tokens(gen))):
           yield _sse(self._chunk(gen, stream, delta.text, delta.token_ids, None, delta))
         if delta.finish_reason is not None:
           ended = True
+          if scoring:  # (the one token sampled to score the prompt is not the answer)
+            delta = dataclasses.replace(delta, finish_reason="length", stop_reason=None,
+                                        num_output_tokens=0, logprobs=())
           yield _sse(self._chunk(gen, stream, None, (), delta.finish_reason, delta))
           if gen.include_usage:
             yield _sse(self._chunk(gen, stream, None, (), None) | {
@@ -496,6 +525,10 @@ class Gateway:
     last = stream.done.result()
     if last.finish_reason in ("deadline", "error"):
       raise self._ended_error(last)
+    prompt_scored = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ())
+    if _scoring_only(gen):  # the token sampled to score the prompt is not the answer
+      deltas, last = [], dataclasses.replace(last, finish_reason="length", stop_reason=None,
+                                             num_output_tokens=0)
     text = "".join(delta.text for delta in deltas)
     token_ids = [token for delta in deltas for token in delta.token_ids]
     scored = tuple(entry for delta in deltas for entry in delta.logprobs)
@@ -503,8 +536,10 @@ class Gateway:
     if gen.chat:
       choice["message"] = {"role": "assistant", "content": text}
     else:
-      choice["text"] = text
-    choice |= {"logprobs": self._logprobs(gen, scored) if gen.logprobs is not None else None,
+      choice["text"] = (self._echo(gen, stream) if gen.echo else "") + text
+    prompt = stream.request.prompt_ids if gen.echo else ()
+    choice |= {"logprobs": self._logprobs(gen, scored, prompt, prompt_scored)
+                           if gen.logprobs is not None else None,
                "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
     if self._shows_tokens(gen):
       choice["token_ids"] = token_ids
@@ -512,6 +547,11 @@ class Gateway:
         "id": stream.request_id, "object": "chat.completion" if gen.chat else "text_completion",
         "created": stream.created, "model": self.config.model_name, "choices": [choice],
         "usage": self._usage(stream, last.num_output_tokens)})
+
+
+def _scoring_only(gen: GenerationRequest) -> bool:
+  """Echo with `max_tokens` 0: the prompt scored, nothing generated."""
+  return gen.echo and gen.max_tokens == 0
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

@@ -75,6 +75,8 @@ class Delta:
   # None for EOS, length and the rest.
   stop_reason: str | int | None = None
   logprobs: tuple[TokenLogprobs, ...] = ()  # of `token_ids`, when the request asks
+  # The prompt's (None at position 0), on the delta of the first token, when it asks.
+  prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +365,8 @@ class EngineLoop:
       if not output.finished:
         self.engine.abort(output.request_id, "stop")
       return self._end(tracked, output.new_token_ids, "stop", text, deliver=False,
-                       stop_reason=tracked.stops.matched, logprobs=output.new_logprobs)
+                       stop_reason=tracked.stops.matched, logprobs=output.new_logprobs,
+                       prompt_logprobs=output.prompt_logprobs)
     if output.finished:
       reason = output.finish_reason or "aborted"
       # A passed deadline is an error for the client, not one of OpenAI's reasons.
@@ -376,16 +379,19 @@ class EngineLoop:
       stop_reason = (last[0] if reason == "stop" and last[0] in tracked.own_stop_token_ids
                      else None)
       return self._end(tracked, output.new_token_ids, reason, text, deliver=False,
-                       retry_after=hint, stop_reason=stop_reason, logprobs=output.new_logprobs)
+                       retry_after=hint, stop_reason=stop_reason, logprobs=output.new_logprobs,
+                       prompt_logprobs=output.prompt_logprobs)
     if not text and not output.new_token_ids:
       return None
     return Delta(text, tuple(output.new_token_ids), logprobs=output.new_logprobs,
+                 prompt_logprobs=output.prompt_logprobs,
                  num_output_tokens=tracked.request.num_output_tokens)
 
   def _end(self, tracked: _Tracked, token_ids: Sequence[int], finish_reason: str,
            text: str = "", *, deliver: bool = True, retry_after: float | None = None,
            stop_reason: str | int | None = None,
-           logprobs: tuple[TokenLogprobs, ...] = ()) -> Delta:
+           logprobs: tuple[TokenLogprobs, ...] = (),
+           prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None) -> Delta:
     """The last delta of a request: held-back text flushed, metrics read, forgotten."""
     del self._tracked[tracked.request.request_id]
     if tracked.detokenizer is not None and not tracked.stops.stopped:
@@ -394,7 +400,7 @@ class EngineLoop:
     self.metrics.ended(tracked.request)
     delta = Delta(text, tuple(token_ids), finish_reason,
                   num_output_tokens=tracked.request.num_output_tokens, retry_after=retry_after,
-                  stop_reason=stop_reason, logprobs=logprobs)
+                  stop_reason=stop_reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     if deliver:
       self.loop.call_soon_threadsafe(tracked.stream._deliver, delta)
     return delta

@@ -33,7 +33,7 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Implemented nowhere in kvpage: accepted only at the value that means "off".
 _NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None,),
+    "n": (None, 1), "best_of": (None, 1), "suffix": (None,),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "tools": (None, []),
@@ -45,9 +45,9 @@ _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "skip_special_tokens", "priority", "stream", "stream_options", "return_token_ids",
            "max_queue_wait_s", "user")
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_status")
-COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "logprobs", *_NO_OP_DEFAULTS))
+COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "logprobs", "echo", *_NO_OP_DEFAULTS))
 CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs",
-                         "top_logprobs", *_NO_OP_DEFAULTS))
+                         "top_logprobs", "echo", *_NO_OP_DEFAULTS))
 # Every field each endpoint takes (the options in `_NO_OP_DEFAULTS` at their "off" only).
 ACCEPTED = {"/v1/completions": sorted(COMPLETION_FIELDS),
             "/v1/chat/completions": sorted(CHAT_FIELDS),
@@ -111,6 +111,9 @@ class GenerationRequest:
   # Log-probabilities: None, or how many of the likeliest tokens beside the sampled one
   # (completions' `logprobs: k`; chat's `logprobs: true` with `top_logprobs: k`).
   logprobs: int | None = None
+  # Completions: the answer starts with the prompt (with `logprobs`, the prompt tokens'
+  # log-probabilities too); `max_tokens` may then be 0 (score the prompt only).
+  echo: bool = False
 
 
 def _is_int(value: Any) -> bool:
@@ -278,8 +281,15 @@ def parse_completion(body: Any) -> GenerationRequest:
     raise invalid("prompt", "'prompt' must be a non-empty string or a non-empty list of "
                   "integer token ids", code="invalid_prompt")
   logprobs = _int(body, "logprobs", 0, MAX_LOGPROBS + 1, None)
-  return GenerationRequest(prompt_text=text, prompt_ids=ids, logprobs=logprobs,
-                           **_common(body, chat=False))
+  echo = _bool(body, "echo")
+  common = _common({**body, "max_tokens": None} if echo and body.get("max_tokens") == 0
+                   else body, chat=False)
+  if echo and body.get("max_tokens") == 0:  # scoring the prompt only
+    if common["min_tokens"]:
+      raise invalid("min_tokens", "'min_tokens' exceeds 'max_tokens' (0)")
+    common["max_tokens"] = 0
+  return GenerationRequest(prompt_text=text, prompt_ids=ids, logprobs=logprobs, echo=echo,
+                           **common)
 
 
 def parse_chat(body: Any) -> GenerationRequest:
@@ -290,6 +300,9 @@ def parse_chat(body: Any) -> GenerationRequest:
                   "not both")
   field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else (
       "max_tokens")
+  if body.get("echo") not in (None, False):
+    raise invalid("echo", "'echo' is a completions option: chat does not echo its messages",
+                  code="unsupported_option")
   top = _int(body, "top_logprobs", 0, MAX_LOGPROBS + 1, None)
   if top is not None and not _bool(body, "logprobs"):
     raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
