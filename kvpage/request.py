@@ -133,6 +133,10 @@ class Request:
   # Chain hashes of its full pages of known tokens (`kvpage.host.prefix_cache`), as
   # far as prefix caching has needed them.
   page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+  # A sibling of the same prompt (`n > 1`): with prefix caching, it waits to be
+  # scheduled until `parent` has sampled its first token, then reads the prompt's pages
+  # from the cache instead of computing them again.
+  parent: "Request | None" = dataclasses.field(default=None, repr=False)
 
   def __post_init__(self) -> None:
     self.prompt_ids = list(self.prompt_ids)

@@ -148,7 +148,7 @@ def _post(server, body, **headers) -> httpx.Response:
     ({"prompt": "hi", "max_tokens": "many"}, 400, "invalid_value"),
     ({"prompt": "hi", "max_tokens": -3}, 400, "invalid_value"),
     ({"prompt": "hi", "temperature": "hot"}, 400, "invalid_value"),
-    ({"prompt": "hi", "n": 3}, 400, "unsupported_option"),
+    ({"prompt": "hi", "n": 99}, 400, "invalid_value"),
     ({"prompt": "hi", "best_of": 2}, 400, "unsupported_option"),
     ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "unsupported_option"),
     ({"prompt": [1, 2, 999999]}, 400, "invalid_token_ids"),

@@ -228,3 +228,36 @@ def test_an_evaluation_harness_scores_a_continuation_by_echo(server, checkpoint)
   refused = _post(server, "/v1/chat/completions", {
       "messages": [{"role": "user", "content": "Hi"}], "echo": True})
   assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+
+
+def _prefix_hits(server) -> float:
+  from serve_utils import metric
+
+  return metric(httpx.get(f"{server.url}/metrics").text, "kvpage:prefix_cache_hits_total")
+
+
+def test_n_choices_share_the_prompts_pages_and_draw_their_own_samples(server):
+  prompt = list(range(3, 3 + 40))  # two full pages of 16 and a partial one
+  body = {"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 3,
+          "ignore_eos": True, "return_token_ids": True}
+  hits = _prefix_hits(server)
+  answer = _post(server, "/v1/completions", body).json()
+  choices = answer["choices"]
+  assert [c["index"] for c in choices] == [0, 1, 2]
+  assert len({tuple(c["token_ids"]) for c in choices}) > 1  # seeds 5, 6, 7
+  assert answer["usage"] == {"prompt_tokens": 40, "completion_tokens": 18,
+                             "total_tokens": 58}
+  # The second and third read the first's two full pages from the cache.
+  assert _prefix_hits(server) - hits >= 2 * 32
+  again = _post(server, "/v1/completions", body).json()["choices"]
+  assert [c["token_ids"] for c in again] == [c["token_ids"] for c in choices]
+  chunks = _events(_post(server, "/v1/completions", {
+      **body, "stream": True, "stream_options": {"include_usage": True}}))
+  streamed = {0: [], 1: [], 2: []}
+  for chunk in chunks[:-1]:
+    for choice in chunk["choices"]:
+      streamed[choice["index"]] += choice.get("token_ids", [])
+  assert [streamed[i] for i in range(3)] == [c["token_ids"] for c in choices]
+  assert chunks[-1]["usage"]["completion_tokens"] == 18
+  refused = _post(server, "/v1/completions", {**body, "n": 17})
+  assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"

@@ -100,9 +100,9 @@ def test_special_tokens_show_in_the_text_only_when_asked(tokenizer):
 
 
 @pytest.mark.parametrize(("body", "param", "code"), [
-    ({"prompt": [1], "n": 2}, "n", "unsupported_option"),
+    ({"prompt": [1], "n": 0}, "n", "invalid_value"),
     ({"prompt": [1], "echo": 1}, "echo", "invalid_value"),
-    ({"prompt": [1], "n": 3}, "n", "unsupported_option"),
+    ({"prompt": [1], "best_of": 3}, "best_of", "unsupported_option"),
     ({"prompt": [1], "logprobs": 21}, "logprobs", "invalid_value"),
     ({"prompt": [1], "logprobs": True}, "logprobs", "invalid_value"),
     ({"prompt": [1], "presence_penalty": 0.5}, "presence_penalty", "unsupported_option"),

@@ -67,11 +67,13 @@ class Engine:
   def add_request(self, prompt_ids: Sequence[int], sampling: SamplingParams, *,
                   request_id: str | None = None, priority: int = 0,
                   arrival_time: float | None = None,
-                  max_queue_wait_s: float | None = None) -> tuple[Request, Admission]:
-    """Submits a request; the admission answer says 200 (queued) or why not."""
+                  max_queue_wait_s: float | None = None,
+                  parent: Request | None = None) -> tuple[Request, Admission]:
+    """Submits a request (`parent`: a sibling of the same prompt, see `Request`); the
+    admission answer says 200 (queued) or why not."""
     request = Request(request_id or f"req-{next(self._ids)}", list(prompt_ids), sampling,
                       priority=priority, arrival_time=arrival_time,
-                      max_queue_wait_s=max_queue_wait_s)
+                      max_queue_wait_s=max_queue_wait_s, parent=parent)
     return request, self.scheduler.add_request(request)
 
   def abort(self, request_id: str, reason: str = "aborted") -> bool:

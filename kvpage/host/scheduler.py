@@ -525,6 +525,10 @@ class Scheduler:
     pool = self.page_pool
     while self.waiting and len(self.running) < self.config.max_num_seqs and self._budget > 0:
       request = self.waiting[0]
+      parent = request.parent
+      if (parent is not None and pool.prefix is not None and not parent.output_ids
+          and not parent.is_finished):
+        return  # its sibling is computing the prompt it will read from the cache
       hits = self._cached_prefix(request)
       request.num_computed_tokens = len(hits) * pool.page_size  # computed by others
       num_new = self._num_new_prefill(request)

@@ -259,24 +259,32 @@ class Gateway:
         min_tokens=gen.min_tokens, logprobs=gen.logprobs,
         prompt_logprobs=gen.logprobs if gen.echo else None)
     request_id = self._request_id(gen, http)
-    submission = Submission(request_id, prompt_ids, sampling, gen.priority,
-                            self._deadline(gen, http), gen.stop, arrived,
-                            include_stop_str=gen.include_stop_str_in_output,
-                            skip_special_tokens=gen.skip_special_tokens,
-                            own_stop_token_ids=tuple(
-                                i for i in gen.stop_token_ids if i not in eos))
+    # n > 1: a request per choice, admitted together or not at all; each after the first
+    # reads the prompt's pages the first computed (prefix caching), and draws from its
+    # own seed (the given one + its index).
+    ids = [request_id] if gen.n == 1 else [f"{request_id}-{i}" for i in range(gen.n)]
+    submissions = [Submission(
+        child, prompt_ids, sampling if gen.seed is None or i == 0 else dataclasses.replace(
+            sampling, seed=(gen.seed + i) % protocol.SEED_LIMIT),
+        gen.priority, self._deadline(gen, http), gen.stop, arrived,
+        include_stop_str=gen.include_stop_str_in_output,
+        skip_special_tokens=gen.skip_special_tokens,
+        own_stop_token_ids=tuple(i for i in gen.stop_token_ids if i not in eos),
+        parent_id=ids[0] if i else None) for i, child in enumerate(ids)]
     try:
-      answer, stream = await self.loop.submit(submission)
+      answer, streams = await self.loop.submit_all(submissions)
     except EngineStoppedError as error:
       raise ApiError(500, f"the engine stopped: {error}", "server_error", "engine_dead") from None
-    if stream is None:
+    if streams is None:
       raise self._refusal(answer)
-    stream.created = created
+    for stream in streams:
+      stream.created = created
+      stream.response_id = request_id
     if gen.stream:
       return responses.StreamingResponse(
-          self._events(gen, stream), media_type="text/event-stream",
+          self._events(gen, streams), media_type="text/event-stream",
           headers={**SSE_HEADERS, "x-request-id": request_id})
-    return await self._whole(gen, stream, http)
+    return await self._whole(gen, streams, http)
 
   def _check_model(self, model: str | None) -> None:
     if model is not None and model != self.config.model_name:
@@ -367,10 +375,10 @@ class Gateway:
   # Answers.
   def _chunk(self, gen: GenerationRequest, stream: Stream, text: str | None,
              token_ids: tuple[int, ...], finish_reason: str | None,
-             last: Delta | None = None) -> dict[str, Any]:
-    """One streamed chunk; `last`, the delta it carries (its count of output tokens for
-    continuous usage, and on the final chunk why it stopped)."""
-    choice: dict[str, Any] = {"index": 0}
+             last: Delta | None = None, index: int = 0) -> dict[str, Any]:
+    """One streamed chunk of choice `index`; `last`, the delta it carries (its count of
+    output tokens for continuous usage, and on the final chunk why it stopped)."""
+    choice: dict[str, Any] = {"index": index}
     if gen.chat:
       choice["delta"] = {} if text is None else {"content": text}
     else:
@@ -381,7 +389,7 @@ class Gateway:
     choice["stop_reason"] = last.stop_reason if finish_reason and last else None
     if gen.return_token_ids or self.tokenizer is None:
       choice["token_ids"] = list(token_ids)
-    chunk = {"id": stream.request_id,
+    chunk = {"id": stream.response_id,
              "object": "chat.completion.chunk" if gen.chat else "text_completion",
              "created": stream.created, "model": self.config.model_name, "choices": [choice]}
     if gen.include_usage:  # OpenAI: null on every chunk but the last; vLLM: so far
@@ -435,7 +443,7 @@ class Gateway:
 
   def _status_chunk(self, gen: GenerationRequest, stream: Stream,
                     status: QueueStatus) -> dict[str, Any]:
-    return {"id": stream.request_id,
+    return {"id": stream.response_id,
             "object": "chat.completion.chunk" if gen.chat else "text_completion",
             "created": stream.created, "model": self.config.model_name, "choices": [],
             "status": {"state": status.state, "position": status.position,
@@ -449,82 +457,135 @@ class Gateway:
     return ApiError(500, f"the engine stopped: {self.loop and self.loop.failure}",
                     "server_error", "engine_dead")
 
-  async def _events(self, gen: GenerationRequest, stream: Stream) -> AsyncIterator[bytes]:
-    """The SSE stream of one admitted request; aborts it if the client goes away."""
-    assert self.loop is not None
-    ended, echoed = False, False
-    state, told_waiting = "queueing", False
+  async def _events(self, gen: GenerationRequest,
+                    streams: list[Stream]) -> AsyncIterator[bytes]:
+    """The SSE stream of an admitted request (n > 1: its choices interleaved as their
+    tokens come, each chunk with its `index`), then usage if asked and `[DONE]`; aborts
+    what is still live if the client goes away."""
+    ends: list[Delta | None] = [None] * len(streams)
     try:
-      if gen.chat:
-        first = self._chunk(gen, stream, "", (), None)
-        first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        yield _sse(first)
-      while True:
-        # While waiting, a status line whenever nothing came for an interval.
-        delta = await stream.next(None if state == "running" else self.config.status_interval_s)
-        if delta is None:
-          status = await self.loop.status(stream.request_id)
-          if status is not None and status.state != "running":
-            told_waiting = True
-            yield (_sse(self._status_chunk(gen, stream, status)) if gen.include_status
-                   else _comment(status))
-          continue
-        if delta.preempted:
-          state = "preempted"
-          continue
-        if told_waiting and gen.include_status and delta.finish_reason is None:
-          # The stream said it waits; now it says it runs (once per wait).
-          yield _sse(self._status_chunk(gen, stream, QueueStatus("running", 0, 0.0, 0.0)))
-        state, told_waiting = "running", False
-        if delta.finish_reason in ("deadline", "error"):
-          ended = True
-          yield _sse(self._ended_error(delta).body())
-          yield b"data: [DONE]\n\n"
-          return
-        if gen.echo and not echoed:  # the prompt first, with its log-probabilities
-          echoed = True
-          chunk = self._chunk(gen, stream, self._echo(gen, stream), (), None)
-          if gen.logprobs is not None:
-            chunk["choices"][0]["logprobs"] = self._logprobs(
-                gen, (), stream.request.prompt_ids, delta.prompt_logprobs or ())
-          yield _sse(chunk)
-        scoring = _scoring_only(gen)
-        if not scoring and (delta.text or (delta.token_ids and self._shows_tokens(gen))):
-          yield _sse(self._chunk(gen, stream, delta.text, delta.token_ids, None, delta))
-        if delta.finish_reason is not None:
-          ended = True
-          if scoring:  # (the one token sampled to score the prompt is not the answer)
-            delta = dataclasses.replace(delta, finish_reason="length", stop_reason=None,
-                                        num_output_tokens=0, logprobs=())
-          yield _sse(self._chunk(gen, stream, None, (), delta.finish_reason, delta))
-          if gen.include_usage:
-            yield _sse(self._chunk(gen, stream, None, (), None) | {
-                "choices": [], "usage": self._usage(stream, delta.num_output_tokens)})
-          yield b"data: [DONE]\n\n"
-          return
+      if len(streams) == 1:
+        async for event in self._choice_events(gen, streams[0], 0, ends):
+          yield event
+      else:
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        async def pump(index: int, stream: Stream) -> None:
+          try:
+            async for event in self._choice_events(gen, stream, index, ends):
+              await queue.put(event)
+          finally:
+            queue.put_nowait(None)
+
+        tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+        try:
+          running = len(tasks)
+          while running:
+            event = await queue.get()
+            if event is None:
+              running -= 1
+            else:
+              yield event
+        finally:
+          for task in tasks:
+            task.cancel()
+      failed = any(end is not None and end.finish_reason in ("deadline", "error")
+                   for end in ends)
+      if gen.include_usage and not failed:
+        total = sum(end.num_output_tokens for end in ends if end is not None)
+        yield _sse(self._chunk(gen, streams[0], None, (), None) | {
+            "choices": [], "usage": self._usage(streams[0], total)})
+      yield b"data: [DONE]\n\n"
     finally:
-      if not ended:  # the client went away (or the server is shutting down)
-        self.loop.abort(stream.request_id)
+      for stream, end in zip(streams, ends, strict=True):
+        if end is None:  # the client went away (or the server is shutting down)
+          self.loop.abort(stream.request_id)
+
+  async def _choice_events(self, gen: GenerationRequest, stream: Stream, index: int,
+                           ends: list[Delta | None]) -> AsyncIterator[bytes]:
+    """One choice's events, until its last delta (then in `ends[index]`)."""
+    assert self.loop is not None
+    echoed, state, told_waiting = False, "queueing", False
+    if gen.chat:
+      first = self._chunk(gen, stream, "", (), None, index=index)
+      first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+      yield _sse(first)
+    while True:
+      # While waiting, a status line whenever nothing came for an interval.
+      delta = await stream.next(None if state == "running" else self.config.status_interval_s)
+      if delta is None:
+        status = await self.loop.status(stream.request_id)
+        if status is not None and status.state != "running":
+          told_waiting = True
+          yield (_sse(self._status_chunk(gen, stream, status)) if gen.include_status
+                 else _comment(status))
+        continue
+      if delta.preempted:
+        state = "preempted"
+        continue
+      if told_waiting and gen.include_status and delta.finish_reason is None:
+        # The stream said it waits; now it says it runs (once per wait).
+        yield _sse(self._status_chunk(gen, stream, QueueStatus("running", 0, 0.0, 0.0)))
+      state, told_waiting = "running", False
+      if delta.finish_reason in ("deadline", "error"):
+        ends[index] = delta
+        yield _sse(self._ended_error(delta).body())
+        return
+      if gen.echo and not echoed:  # the prompt first, with its log-probabilities
+        echoed = True
+        chunk = self._chunk(gen, stream, self._echo(gen, stream), (), None, index=index)
+        if gen.logprobs is not None:
+          chunk["choices"][0]["logprobs"] = self._logprobs(
+              gen, (), stream.request.prompt_ids, delta.prompt_logprobs or ())
+        yield _sse(chunk)
+      scoring = _scoring_only(gen)
+      if not scoring and (delta.text or (delta.token_ids and self._shows_tokens(gen))):
+        yield _sse(self._chunk(gen, stream, delta.text, delta.token_ids, None, delta, index))
+      if delta.finish_reason is not None:
+        if scoring:  # (the one token sampled to score the prompt is not the answer)
+          delta = dataclasses.replace(delta, finish_reason="length", stop_reason=None,
+                                      num_output_tokens=0, logprobs=())
+        ends[index] = delta
+        yield _sse(self._chunk(gen, stream, None, (), delta.finish_reason, delta, index))
+        return
 
   def _shows_tokens(self, gen: GenerationRequest) -> bool:
     return gen.return_token_ids or self.tokenizer is None
 
-  async def _whole(self, gen: GenerationRequest, stream: Stream,
+  async def _whole(self, gen: GenerationRequest, streams: list[Stream],
                    http: fastapi.Request) -> responses.Response:
-    """A request answered in one body, once it ends; aborted if the client goes away."""
+    """A request answered in one body once every choice ends; aborted if the client
+    goes away."""
     assert self.loop is not None
     gone = asyncio.ensure_future(_disconnected(http))
+    done = asyncio.ensure_future(asyncio.wait({stream.done for stream in streams}))
     try:
-      await asyncio.wait({stream.done, gone}, return_when=asyncio.FIRST_COMPLETED)
+      await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
       gone.cancel()
-    if not stream.done.done():
-      self.loop.abort(stream.request_id)
+      done.cancel()
+    if not all(stream.done.done() for stream in streams):
+      for stream in streams:
+        self.loop.abort(stream.request_id)
       return responses.Response(status_code=499)  # nobody is listening any more
-    deltas = stream.delivered()
-    last = stream.done.result()
-    if last.finish_reason in ("deadline", "error"):
-      raise self._ended_error(last)
+    choices, total = [], 0
+    for index, stream in enumerate(streams):
+      deltas = stream.delivered()
+      last = stream.done.result()
+      if last.finish_reason in ("deadline", "error"):
+        raise self._ended_error(last)
+      choice, last = self._whole_choice(gen, stream, deltas, last, index)
+      choices.append(choice)
+      total += last.num_output_tokens
+    first = streams[0]
+    return responses.JSONResponse({
+        "id": first.response_id, "object": "chat.completion" if gen.chat else "text_completion",
+        "created": first.created, "model": self.config.model_name, "choices": choices,
+        "usage": self._usage(first, total)})
+
+  def _whole_choice(self, gen: GenerationRequest, stream: Stream, deltas: list[Delta],
+                    last: Delta, index: int) -> tuple[dict[str, Any], Delta]:
+    """One choice of a whole answer, and its last delta (as counted in usage)."""
     prompt_scored = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs), ())
     if _scoring_only(gen):  # the token sampled to score the prompt is not the answer
       deltas, last = [], dataclasses.replace(last, finish_reason="length", stop_reason=None,
@@ -532,7 +593,7 @@ class Gateway:
     text = "".join(delta.text for delta in deltas)
     token_ids = [token for delta in deltas for token in delta.token_ids]
     scored = tuple(entry for delta in deltas for entry in delta.logprobs)
-    choice: dict[str, Any] = {"index": 0}
+    choice: dict[str, Any] = {"index": index}
     if gen.chat:
       choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -543,10 +604,7 @@ class Gateway:
                "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
     if self._shows_tokens(gen):
       choice["token_ids"] = token_ids
-    return responses.JSONResponse({
-        "id": stream.request_id, "object": "chat.completion" if gen.chat else "text_completion",
-        "created": stream.created, "model": self.config.model_name, "choices": [choice],
-        "usage": self._usage(stream, last.num_output_tokens)})
+    return choice, last
 
 
 def _scoring_only(gen: GenerationRequest) -> bool:

@@ -55,6 +55,7 @@ class Submission:
   include_stop_str: bool = False  # a matched stop string ends the text (else cut before it)
   skip_special_tokens: bool = True
   own_stop_token_ids: tuple[int, ...] = ()  # the client's (not EOS): named as stop_reason
+  parent_id: str | None = None  # a sibling of the same prompt (`n > 1`), live, if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,7 @@ class Stream:
     self.request_id = request.request_id
     self.num_prompt_tokens = request.num_prompt_tokens
     self.created = int(time.time())  # the responses' `created` (the gateway sets arrival)
+    self.response_id = self.request_id  # the response's `id` (n > 1: the choices share one)
     self.done = loop.create_future()  # resolved with the last delta
     self._loop = loop
     self._pending: collections.deque[Delta] = collections.deque()
@@ -185,6 +187,12 @@ class EngineLoop:
   async def submit(self, submission: Submission) -> tuple[Admission, Stream | None]:
     """Admits or refuses; an admitted request's deltas flow into the returned stream."""
     return await self._call(lambda: self._add(submission))
+
+  async def submit_all(self, submissions: Sequence[Submission]
+                       ) -> tuple[Admission, list[Stream] | None]:
+    """Admits every submission or none (the siblings of `n > 1`), in one call on the
+    engine thread; the streams in order, or None with the refusal."""
+    return await self._call(lambda: self._add_all(submissions))
 
   def abort(self, request_id: str, reason: str = "aborted") -> None:
     """Ends a live request (a client gone); its pages are free before the next step.
@@ -271,11 +279,28 @@ class EngineLoop:
     self.metrics.on_step(output, new_tokens, finished)
     self._preempted.extend(p.request_id for p in output.preempted if p.mode != "abort")
 
+  def _add_all(self, submissions: Sequence[Submission]
+               ) -> tuple[Admission, list[Stream] | None]:
+    """Admits all or none: on the first refusal, the ones admitted before are aborted."""
+    streams: list[Stream] = []
+    answer: Admission | None = None
+    for submission in submissions:
+      answer, stream = self._add(submission)
+      if stream is None:
+        for admitted in streams:
+          self._abort(admitted.request_id, "aborted")
+        return answer, None
+      streams.append(stream)
+    assert answer is not None
+    return answer, streams
+
   def _add(self, submission: Submission) -> tuple[Admission, Stream | None]:
+    parent = self._tracked.get(submission.parent_id) if submission.parent_id else None
     request, answer = self.engine.add_request(
         submission.prompt_ids, submission.sampling, request_id=submission.request_id,
         priority=submission.priority, max_queue_wait_s=submission.max_queue_wait_s,
-        arrival_time=submission.arrival_time)
+        arrival_time=submission.arrival_time,
+        parent=None if parent is None else parent.request)
     if not answer.admitted:  # counted as a rejection where it is answered, in the app
       return answer, None
     self.metrics.recorder.track(request)

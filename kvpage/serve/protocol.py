@@ -29,11 +29,12 @@ INT32_LIMIT = 2**31
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 16
+MAX_N = 16  # completions per request (`n`): each a request of its own in the engine
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 # Implemented nowhere in kvpage: accepted only at the value that means "off".
 _NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "suffix": (None,),
+    "best_of": (None, 1), "suffix": (None,),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "repetition_penalty": (None, 1), "tools": (None, []),
@@ -43,7 +44,7 @@ _NO_OP_DEFAULTS: dict[str, tuple[Any, ...]] = {
 _COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
            "ignore_eos", "min_tokens", "stop_token_ids", "include_stop_str_in_output",
            "skip_special_tokens", "priority", "stream", "stream_options", "return_token_ids",
-           "max_queue_wait_s", "user")
+           "max_queue_wait_s", "user", "n")
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_status")
 COMPLETION_FIELDS = frozenset((*_COMMON, "prompt", "logprobs", "echo", *_NO_OP_DEFAULTS))
 CHAT_FIELDS = frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs",
@@ -114,6 +115,7 @@ class GenerationRequest:
   # Completions: the answer starts with the prompt (with `logprobs`, the prompt tokens'
   # log-probabilities too); `max_tokens` may then be 0 (score the prompt only).
   echo: bool = False
+  n: int = 1  # completions of the prompt, each its own choice (`index`)
 
 
 def _is_int(value: Any) -> bool:
@@ -167,8 +169,8 @@ def _check_fields(body: Any, allowed: frozenset[str]) -> dict:
                        if name in body and not any(_same(body[name], d) for d in defaults))
   if unsupported:
     raise invalid(unsupported[0], f"unsupported option(s) {', '.join(map(repr, unsupported))}: "
-                  "kvpage serves one completion per request, without prompt echo, "
-                  "penalties, logit bias, tools or response formats",
+                  "kvpage serves without best_of, suffix, penalties, logit bias, tools or "
+                  "response formats",
                   code="unsupported_option")
   return body
 
@@ -242,6 +244,7 @@ def _common(body: dict, *, chat: bool, max_tokens_field: str = "max_tokens") -> 
                   f"({max_tokens})")
   return dict(
       chat=chat, model=model, max_tokens=max_tokens, min_tokens=min_tokens,
+      n=_int(body, "n", 1, MAX_N + 1, 1),
       stop_token_ids=_stop_token_ids(body),
       include_stop_str_in_output=_bool(body, "include_stop_str_in_output"),
       skip_special_tokens=_bool(body, "skip_special_tokens", True),
