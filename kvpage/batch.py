@@ -31,6 +31,7 @@ import numpy as np
 from kvpage.request import PLACEHOLDER
 from kvpage.units import cdiv
 
+MAX_BANNED = 20  # stop token ids a row can hold back: the client's 16 and EOS ids
 TOKEN_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -51,6 +52,9 @@ class StepBatch(NamedTuple):
   seeds: np.ndarray  # u32[S], per-request seed
   sample_index: np.ndarray  # i32[S], tokens generated so far (folded into the key)
   num_steps: np.ndarray  # i32[S], decode iterations of each row (multi-step); padding 0
+  # i32[S, MAX_BANNED]: token ids a row may not sample (its stop tokens, while it has
+  # fewer than `min_tokens`); -1 pads.
+  banned: np.ndarray
 
   # Not a field: a class-level fact. jit keys its cache on the pytree's type, so the
   # subclass below is a *static* flag the model can branch on at trace time.
@@ -251,7 +255,8 @@ def _fill_tokens(batch: StepBatch, scheduled: Sequence[Any], query_lens: list[in
 
 
 def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
-  """Per-row sampling parameters, seeds, the index folded into each row's key, iterations."""
+  """Per-row sampling parameters, seeds, the index folded into each row's key, iterations,
+  and the stop tokens a row below its `min_tokens` may not sample."""
   num_seqs = len(scheduled)
   params = [seq.request.sampling for seq in scheduled]
   batch.temperature[:num_seqs] = [p.temperature for p in params]
@@ -260,6 +265,11 @@ def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
   batch.seeds[:num_seqs] = [request_seed(seq.request) for seq in scheduled]
   batch.sample_index[:num_seqs] = [seq.sample_index for seq in scheduled]
   batch.num_steps[:num_seqs] = [seq.num_steps for seq in scheduled]
+  for row, seq in enumerate(scheduled):  # min_tokens: no stop token before that many
+    sampling = seq.request.sampling
+    if seq.samples and seq.sample_index < sampling.min_tokens and not sampling.ignore_eos:
+      stops = sampling.stop_token_ids[:MAX_BANNED]
+      batch.banned[row, :len(stops)] = stops
 
 
 _FIELD_DTYPES = {"temperature": np.float32, "top_p": np.float32, "seeds": np.uint32}  # else i32
@@ -301,7 +311,8 @@ def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int, *,
   not twelve; the 4-byte floats and seeds are views of it too).
   """
   t, s, m = num_tokens, num_seqs, max_pages_per_seq
-  shapes = ((t,), (t,), (t,), (s + 1,), (s,), (s, m), (s,), (s,), (s,), (s,), (s,), (s,), (s,))
+  shapes = ((t,), (t,), (t,), (s + 1,), (s,), (s, m), (s,), (s,), (s,), (s,), (s,), (s,), (s,),
+            (s, MAX_BANNED))
   buffer = np.zeros(sum(math.prod(shape) for shape in shapes), np.int32)
   fields, offset = [], 0
   for name, shape in zip(StepBatch._fields, shapes, strict=True):
@@ -311,4 +322,5 @@ def example_batch(num_tokens: int, num_seqs: int, max_pages_per_seq: int, *,
     offset += size
   batch = (DecodeStepBatch if decode_only else StepBatch)(*fields)
   batch.top_p[:] = 1.0
+  batch.banned[:] = -1
   return batch

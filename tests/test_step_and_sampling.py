@@ -73,7 +73,7 @@ def sampling_rows(num_rows, **fields):
   defaults.update(fields)
   dtypes = dict(temperature=jnp.float32, top_p=jnp.float32, top_k=jnp.int32,
                 seeds=jnp.uint32, sample_index=jnp.int32)
-  return types.SimpleNamespace(**{
+  return types.SimpleNamespace(banned=jnp.full((num_rows, 1), -1, jnp.int32), **{
       key: jnp.broadcast_to(jnp.asarray(value, dtypes[key]), (num_rows,))
       for key, value in defaults.items()})
 

@@ -23,13 +23,24 @@ def argmax(logits: jax.Array) -> jax.Array:
   return jnp.minimum(first, vocab - 1)
 
 
+def suppress(logits: jax.Array, banned: jax.Array) -> jax.Array:
+  """`logits` with each row's `banned` ids (`i32[rows, k]`, -1 pads) at -inf: the stop
+  tokens of a request that has fewer than its `min_tokens` (vLLM masks them the same
+  way, so they are never sampled early)."""
+  rows = jnp.arange(logits.shape[0])[:, None]
+  columns = jnp.where(banned >= 0, banned, logits.shape[-1])  # out of range: dropped
+  return logits.at[rows, columns].set(-jnp.inf, mode="drop")
+
+
 def sample(logits: jax.Array, batch, *, all_greedy: bool) -> jax.Array:
   """`i32[num_seqs]` token ids from `f32[num_seqs, vocab]` logits.
 
   `batch` provides per-row `temperature` (0 = greedy), `top_k` (0 = off), `top_p`
-  (1 = off), `seeds` and `sample_index`. With `all_greedy` (a static flag the host
-  sets when no row samples stochastically) the sort and the draw are skipped.
+  (1 = off), `seeds`, `sample_index` and `banned` (ids never drawn, `suppress`). With
+  `all_greedy` (a static flag the host sets when no row samples stochastically) the sort
+  and the draw are skipped.
   """
+  logits = suppress(logits, batch.banned)
   greedy = argmax(logits)
   if all_greedy:
     return greedy

@@ -19,11 +19,13 @@ def extend_decodes(out: SchedulerOutput, pool: PagePool, *, num_decode_steps: in
   iterations as it still may generate (at most `num_decode_steps`), and its pages for
   all of them are reserved now; if they do not all fit in the free pages, the step
   stays a single iteration rather than preempt anyone for lookahead. A request that
-  asks for log-probabilities keeps the step single: they come back one step at a time.
+  asks for log-probabilities keeps the step single (they come back one step at a time),
+  and so does one below its `min_tokens` (its stop tokens are held back per step).
   """
   if (num_decode_steps == 1 or not out.scheduled or not nothing_else_waits
       or out.preempted or out.swap_in or out.swap_out
       or any(seq.is_prefill or not seq.samples or seq.request.sampling.logprobs is not None
+             or seq.sample_index < seq.request.sampling.min_tokens
              for seq in out.scheduled)):
     return
   plans = []
