@@ -265,6 +265,8 @@ def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
   batch.seeds[:num_seqs] = [request_seed(seq.request) for seq in scheduled]
   batch.sample_index[:num_seqs] = [seq.sample_index for seq in scheduled]
   batch.num_steps[:num_seqs] = [seq.num_steps for seq in scheduled]
+  if not any(p.min_tokens for p in params):  # (the common case: no per-row loop)
+    return
   for row, seq in enumerate(scheduled):  # min_tokens: no stop token before that many
     sampling = seq.request.sampling
     if seq.samples and seq.sample_index < sampling.min_tokens and not sampling.ignore_eos:
