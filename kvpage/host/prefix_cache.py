@@ -110,6 +110,10 @@ class PrefixIndex:
       del self._page_of[value]
       self.stats.evicted_pages += 1
 
+  def names(self) -> frozenset[bytes]:
+    """Every cached page's name: what a replica reports to a fleet's router."""
+    return frozenset(self._page_of)
+
   def named_pages(self) -> dict[int, bytes]:
     """A copy of page -> hash, for invariant checks."""
     return dict(self._hash_of)

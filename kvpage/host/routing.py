@@ -1,0 +1,192 @@
+"""Which replica of a fleet takes a request: the routing policies, in one place.
+
+A fleet is many engines behind one door. The door asks a `Router` to rank the
+replicas for each request and tries them in that order: the first that admits it
+serves it, and only when every replica refuses does the client get pushed back. The
+router decides from each replica's `ReplicaStats`, a snapshot refreshed every so often
+(`Router.update`), and between snapshots counts what it has sent itself (`Router.sent`),
+so a burst does not all land on the replica that looked emptiest.
+
+The policies:
+
+  * `round_robin`: each in turn;
+  * `least_requests`: the power of two choices (Ray Serve's default): two replicas
+    drawn at random, the one with fewer requests (running, waiting, sent since the
+    snapshot) first;
+  * `kv_headroom`: the replica whose pool keeps the most room above its KV line after
+    this request's estimated pages (free pages above the watermark, less the pages
+    promised to its waiting requests and to what the router sent since);
+  * `prefix_affinity`: the replica holding the longest cached prefix of the prompt
+    (full pages, named by `kvpage.host.prefix_cache`'s chain hashes), unless it has
+    less headroom than the best by more than `headroom_margin_pages` or a longer wait
+    than the best by more than `wait_margin_s`: then `kv_headroom`.
+
+Every ranking holds every replica: a refusal at the first is retried at the next.
+Pure Python, no jax and no Ray: the same code ranks replicas in a simulated fleet and
+behind a Ray Serve request router.
+"""
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvpage.host import prefix_cache
+from kvpage.units import cdiv
+
+if TYPE_CHECKING:
+  from kvpage.host.scheduler import Scheduler
+
+POLICIES = ("round_robin", "least_requests", "kv_headroom", "prefix_affinity")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaStats:
+  """What a replica reports for routing (a snapshot)."""
+
+  replica_id: str
+  num_running: int = 0
+  num_waiting: int = 0
+  # Free pages above its KV line: free pages less the watermark's and less what running
+  # prompts still take (may be negative: it refuses until requests end).
+  headroom_pages: int = 0
+  promised_pages: int = 0  # page estimates of admitted requests not yet running
+  wait_s: float = 0.0  # its forecast wait for a newcomer's first token
+  page_size: int = 16
+  prefix_pages: frozenset[bytes] = frozenset()  # chain hashes of its cached full pages
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteRequest:
+  """What the router needs of a request: its size and its prompt's page hashes."""
+
+  num_prompt_tokens: int
+  max_tokens: int
+  page_hashes: tuple[bytes, ...] = ()  # its prompt's full pages, in order (`prompt_hashes`)
+
+  def pages(self, page_size: int) -> int:
+    """The pages its prompt and `max_tokens` take (the admission line's estimate)."""
+    return cdiv(self.num_prompt_tokens + self.max_tokens, page_size)
+
+
+def replica_stats(replica_id: str, scheduler: "Scheduler") -> ReplicaStats:
+  """A replica's snapshot, read from its scheduler: headroom above its KV line (free
+  pages, less the watermark's, less what running prompts still take), its admitted
+  backlog, the forecast wait of the last request in its queue (0 when none waits), and
+  its prefix cache's page names."""
+  pool, admission = scheduler.page_pool, scheduler.admission
+  headroom = (pool.num_free_pages - admission.watermark_pages
+              - admission.owed_pages(scheduler.running))
+  wait = (scheduler.eta(scheduler.waiting[-1].request_id, first_token=True) or 0.0
+          if scheduler.waiting else 0.0)
+  return ReplicaStats(
+      replica_id, num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+      headroom_pages=int(headroom), promised_pages=admission.num_backlog_pages, wait_s=wait,
+      page_size=pool.page_size,
+      prefix_pages=pool.prefix.names() if pool.prefix is not None else frozenset())
+
+
+def prompt_hashes(prompt_ids: Sequence[int], page_size: int) -> tuple[bytes, ...]:
+  """The chain hashes of a prompt's full pages, as a replica's prefix cache names them
+  (the last token left out: a replica computes it whatever it holds)."""
+  hashes: list[bytes] = []
+  for start in range(0, len(prompt_ids) - 1 - page_size + 1, page_size):
+    hashes.append(prefix_cache.page_hash(hashes[-1] if hashes else None,
+                                         prompt_ids[start:start + page_size]))
+  return tuple(hashes)
+
+
+def cached_prefix_pages(stats: ReplicaStats, request: RouteRequest) -> int:
+  """How many of the prompt's leading full pages `stats`' replica holds."""
+  count = 0
+  for page in request.page_hashes:
+    if page not in stats.prefix_pages:
+      break
+    count += 1
+  return count
+
+
+class Router:
+  """Ranks a fleet's replicas for each request by one of `POLICIES`."""
+
+  def __init__(self, policy: str, *, seed: int = 0, headroom_margin_pages: int = 0,
+               wait_margin_s: float = 0.0):
+    if policy not in POLICIES:
+      raise ValueError(f"unknown routing policy {policy!r}; choose one of "
+                       f"{', '.join(POLICIES)}")
+    if headroom_margin_pages < 0 or wait_margin_s < 0:
+      raise ValueError("the prefix-affinity margins must be >= 0")
+    self.policy = policy
+    self.headroom_margin_pages = headroom_margin_pages
+    self.wait_margin_s = wait_margin_s
+    self._rng = random.Random(seed)
+    self._turn = itertools.count()
+    self._stats: dict[str, ReplicaStats] = {}
+    self._sent_requests: dict[str, int] = {}
+    self._sent_pages: dict[str, int] = {}
+
+  @property
+  def replicas(self) -> list[str]:
+    return list(self._stats)
+
+  def update(self, stats: Sequence[ReplicaStats]) -> None:
+    """A fresh snapshot of every replica; what was sent before it is in it now."""
+    if not stats:
+      raise ValueError("a fleet needs at least one replica")
+    self._stats = {s.replica_id: s for s in stats}
+    self._sent_requests = dict.fromkeys(self._stats, 0)
+    self._sent_pages = dict.fromkeys(self._stats, 0)
+
+  def sent(self, replica_id: str, request: RouteRequest) -> None:
+    """`request` was admitted by `replica_id`: counted until the next snapshot."""
+    self._sent_requests[replica_id] += 1
+    self._sent_pages[replica_id] += request.pages(self._stats[replica_id].page_size)
+
+  def requests(self, replica_id: str) -> int:
+    """Its requests as the router sees them: running, waiting, sent since the snapshot."""
+    stats = self._stats[replica_id]
+    return stats.num_running + stats.num_waiting + self._sent_requests[replica_id]
+
+  def headroom(self, replica_id: str, request: RouteRequest) -> int:
+    """Pages above its line left after its promises, what was sent since the snapshot,
+    and `request`."""
+    stats = self._stats[replica_id]
+    return (stats.headroom_pages - stats.promised_pages - self._sent_pages[replica_id]
+            - request.pages(stats.page_size))
+
+  def rank(self, request: RouteRequest) -> list[str]:
+    """Every replica, the one to try first first."""
+    if not self._stats:
+      raise ValueError("no replica stats yet: call update() first")
+    names = list(self._stats)
+    if self.policy == "round_robin":
+      start = next(self._turn) % len(names)
+      return names[start:] + names[:start]
+    if self.policy == "least_requests":
+      pair = self._rng.sample(names, min(2, len(names)))
+      pair.sort(key=self.requests)
+      rest = sorted((n for n in names if n not in pair), key=self.requests)
+      return pair + rest
+    by_headroom = sorted(names, key=lambda n: (-self.headroom(n, request),
+                                               self._stats[n].wait_s))
+    if self.policy == "kv_headroom":
+      return by_headroom
+    return self._prefix_first(request, by_headroom)
+
+  def _prefix_first(self, request: RouteRequest, by_headroom: list[str]) -> list[str]:
+    """`prefix_affinity`: the replica with the longest cached prefix first, if it is
+    within the margins of the best headroom and wait; then by headroom."""
+    hits = {name: cached_prefix_pages(self._stats[name], request) for name in by_headroom}
+    most = max(hits.values())
+    if most == 0:
+      return by_headroom
+    best_room = self.headroom(by_headroom[0], request)
+    best_wait = min(s.wait_s for s in self._stats.values())
+    for name in sorted(by_headroom, key=lambda n: -hits[n]):  # stable: headroom breaks ties
+      if hits[name] < most:
+        break
+      if (self.headroom(name, request) >= best_room - self.headroom_margin_pages
+          and self._stats[name].wait_s <= best_wait + self.wait_margin_s):
+        return [name] + [n for n in by_headroom if n != name]
+    return by_headroom
