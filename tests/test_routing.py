@@ -14,9 +14,11 @@ from kvpage.host.routing import (
   RouteRequest,
   prompt_hashes,
   replica_stats,
+  route,
 )
 from kvpage.host.scheduler import Scheduler
-from kvpage.request import SamplingParams
+from kvpage.interface import Admission
+from kvpage.request import Request, SamplingParams
 
 SMALL = RouteRequest(num_prompt_tokens=30, max_tokens=2)  # 2 pages of 16
 
@@ -102,3 +104,64 @@ def test_a_schedulers_snapshot_names_the_pages_the_router_looks_for():
   router = Router("prefix_affinity")
   router.update([stats, ReplicaStats("r1", headroom_pages=stats.headroom_pages)])
   assert router.rank(request)[0] == "r0"
+
+
+def answers(**by_replica):
+  """`admit` for `route`: each replica's answer, and the order they were asked."""
+  asked = []
+
+  def admit(replica_id):
+    asked.append(replica_id)
+    return by_replica[replica_id]
+
+  return admit, asked
+
+
+def test_the_door_tries_replicas_in_rank_order_until_one_admits():
+  router = Router("kv_headroom")
+  router.update(fleet(a=dict(headroom_pages=20), b=dict(headroom_pages=10)))
+  admit, asked = answers(a=Admission(503, "full", 2.0, cause="kv_pressure"), b=Admission(200))
+  routed = route(router, SMALL, admit)
+  assert routed.replica_id == "b" and routed.answer.admitted and asked == ["a", "b"]
+  assert router.headroom("b", SMALL) == 10 - 2 - 2 and router.headroom("a", SMALL) == 18
+
+
+def test_the_door_pushes_back_only_when_every_replica_refuses():
+  router = Router("round_robin")
+  router.update(fleet(a={}, b={}))
+  admit, asked = answers(a=Admission(503, "kv", 3.0, cause="kv_pressure"),
+                         b=Admission(429, "queue", 1.5, cause="queue_full"))
+  routed = route(router, SMALL, admit)
+  assert routed.replica_id is None and asked == ["a", "b"]
+  assert (routed.answer.status, routed.answer.retry_after) == (503, 1.5)  # mixed: 503
+  assert routed.answer.cause == "queue_full" and "every replica refused (2)" in \
+      routed.answer.reason
+  admit, _ = answers(a=Admission(429, "q", 4.0), b=Admission(429, "q", None))
+  assert route(router, SMALL, admit).answer.status == 429  # they agree: theirs
+
+
+def test_a_request_one_replica_refuses_is_served_by_the_other():
+  def scheduler(num_pages):
+    return Scheduler(scheduler_lib.get_scheduler_config(), num_pages=num_pages, page_size=16,
+                     max_model_len=512, clock=lambda: 0.0)
+
+  schedulers = {"small": scheduler(8), "large": scheduler(64)}
+  prompt = list(range(1, 100))  # 99 + 28 tokens: 8 pages, more than the small pool holds
+  request = RouteRequest(len(prompt), 28)
+
+  def admit(replica_id):
+    return schedulers[replica_id].add_request(
+        Request(f"r@{replica_id}", prompt, SamplingParams(max_tokens=28)))
+
+  router = Router("round_robin")  # asks the small one first
+  router.update([replica_stats(name, s) for name, s in schedulers.items()])
+  routed = route(router, request, admit)
+  assert [(name, answer.status) for name, answer in routed.tried] == [("small", 400),
+                                                                        ("large", 200)]
+  assert routed.replica_id == "large" and schedulers["large"].num_waiting == 1
+  admit_bad, asked = answers(small=Admission(400, "bad", cause="invalid_token_ids"),
+                             large=Admission(200))
+  router = Router("round_robin")
+  router.update([replica_stats(name, s) for name, s in schedulers.items()])
+  routed = route(router, request, admit_bad)  # a fault of the request's own: no retry
+  assert routed.answer.status == 400 and len(asked) == 1

@@ -22,6 +22,12 @@ The policies:
     than the best by more than `wait_margin_s`: then `kv_headroom`.
 
 Every ranking holds every replica: a refusal at the first is retried at the next.
+`route` is the fleet's door: it tries the replicas in rank order and admits the request
+at the first that takes it; a 400 that no replica can cure (`REQUEST_FAULTS`) is
+answered at once;
+only when every replica pushes back does the client get a 429/503, with the soonest
+replica's retry hint (its status when all refused for one kind of reason, else 503).
+
 Pure Python, no jax and no Ray: the same code ranks replicas in a simulated fleet and
 behind a Ray Serve request router.
 """
@@ -29,16 +35,20 @@ behind a Ray Serve request router.
 import dataclasses
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvpage.host import prefix_cache
+from kvpage.interface import BAD_REQUEST, SERVICE_UNAVAILABLE, Admission
 from kvpage.units import cdiv
 
 if TYPE_CHECKING:
   from kvpage.host.scheduler import Scheduler
 
 POLICIES = ("round_robin", "least_requests", "kv_headroom", "prefix_affinity")
+# 400s that are the request's own fault on every replica (others, such as a prompt too
+# big for one replica's pool, send it on to the next).
+REQUEST_FAULTS = ("empty_prompt", "invalid_token_ids")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,3 +200,43 @@ class Router:
           and self._stats[name].wait_s <= best_wait + self.wait_margin_s):
         return [name] + [n for n in by_headroom if n != name]
     return by_headroom
+
+
+@dataclasses.dataclass(frozen=True)
+class Routed:
+  """Where a request went: the replica that admitted it (None: every one refused), the
+  answer the client gets, and the replicas tried, in order, with their answers."""
+
+  replica_id: str | None
+  answer: Admission
+  tried: tuple[tuple[str, Admission], ...]
+
+
+def route(router: Router, request: RouteRequest,
+          admit: Callable[[str], Admission]) -> Routed:
+  """The fleet's door: `admit(replica_id)` asks one replica to take the request (its
+  admission answer); replicas are asked in `router.rank` order until one admits, and
+  the router counts what it sent. A request is asked of each replica at most once and
+  admitted by at most one."""
+  tried: list[tuple[str, Admission]] = []
+  for replica_id in router.rank(request):
+    answer = admit(replica_id)
+    tried.append((replica_id, answer))
+    if answer.admitted:
+      router.sent(replica_id, request)
+      return Routed(replica_id, answer, tuple(tried))
+    if answer.status == BAD_REQUEST and answer.cause in REQUEST_FAULTS:
+      return Routed(None, answer, tuple(tried))  # no replica can serve it: no retry
+  return Routed(None, _fleet_refusal([answer for _, answer in tried]), tuple(tried))
+
+
+def _fleet_refusal(answers: Sequence[Admission]) -> Admission:
+  """Every replica refused: the soonest retry hint among them (None if none gave one);
+  their status if they agree, else 503 (the fleet is short of room somewhere)."""
+  hints = [a.retry_after for a in answers if a.retry_after is not None]
+  soonest = min(answers, key=lambda a: (a.retry_after is None, a.retry_after or 0.0))
+  statuses = {a.status for a in answers}
+  status = statuses.pop() if len(statuses) == 1 else SERVICE_UNAVAILABLE
+  return Admission(status, f"every replica refused ({len(answers)}); the soonest: "
+                   f"{soonest.reason}", min(hints) if hints else None,
+                   soonest.request_id, soonest.cause)
