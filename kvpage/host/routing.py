@@ -46,9 +46,9 @@ if TYPE_CHECKING:
   from kvpage.host.scheduler import Scheduler
 
 POLICIES = ("round_robin", "least_requests", "kv_headroom", "prefix_affinity")
-# 400s that are the request's own fault on every replica (others, such as a prompt too
-# big for one replica's pool, send it on to the next).
-REQUEST_FAULTS = ("empty_prompt", "invalid_token_ids")
+# 400s that are the request's own fault on every replica of a fleet serving one model
+# (others, such as a prompt too big for one replica's pool, send it on to the next).
+REQUEST_FAULTS = ("empty_prompt", "invalid_token_ids", "context_length_exceeded")
 
 
 @dataclasses.dataclass(frozen=True)
