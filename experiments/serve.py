@@ -94,6 +94,10 @@ _EXECUTOR = flags.DEFINE_enum("executor", "jax", ["jax", "sim"],
 _HARDWARE = flags.DEFINE_string("hardware", None,
                                 "Shortcut for --config.hardware: the simulated device.")
 _WARMUP = flags.DEFINE_bool("warmup", True, "Compile every step shape before the port opens.")
+_WARMUP_LOGPROBS = flags.DEFINE_bool(
+    "warmup_logprobs", False, "Also compile the programs that return log-probabilities "
+    "(logprobs, echo): three times the warm-up, and no compile when a request first asks "
+    "(an evaluation harness's traffic).")
 _WARMUP_SAMPLING = flags.DEFINE_bool("warmup_sampling", True,
                                      "Also compile the sampled (temperature > 0) steps.")
 _COMPILATION_CACHE = flags.DEFINE_string(
@@ -192,7 +196,8 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...],
     count = engine.executor.warmup(scheduler_config.max_num_seqs,
                                    scheduler_config.max_num_batched_tokens, all_greedy=greedy,
                                    num_decode_steps=scheduler_config.num_decode_steps,
-                                   progress=progress.lines(say, "compiling step programs"))
+                                   progress=progress.lines(say, "compiling step programs"),
+                                   logprobs=_WARMUP_LOGPROBS.value)
     priced = engine.price_steps()  # hints and ETAs priced before the first request
     compiled = f"compiled {count} step programs" if count else "nothing to compile"
     print(f"kvpage serve: {compiled}; timed {priced} step shapes for the wait forecast",

@@ -223,9 +223,11 @@ class Executor(abc.ABC):
   @abc.abstractmethod
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
-             progress: Callable[[int, int], None] | None = None) -> int:
+             progress: Callable[[int, int], None] | None = None,
+             logprobs: bool = False) -> int:
     """Compiles every step a scheduler with these limits can launch; returns how many.
-    `progress(done, total)`, if given, is called after each program."""
+    `progress(done, total)`, if given, is called after each program; with `logprobs`,
+    the programs that also score the samples and the prompt are compiled too."""
 
   def measure_steps(self, max_num_seqs: int,
                     max_num_batched_tokens: int) -> list[tuple[int, int, int, float]]:

@@ -84,9 +84,9 @@ class FakeExecutor(Executor):
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
-             progress=None) -> int:
+             progress=None, logprobs=False) -> int:
     del max_num_seqs, max_num_batched_tokens, all_greedy, num_decode_steps  # Unused.
-    del progress  # Unused.
+    del progress, logprobs  # Unused.
     self.num_warmups += 1
     return 0
 

@@ -109,3 +109,18 @@ def test_prompt_logprobs_match_transformers_and_skip_the_prefix_cache(checkpoint
   # A request that does not ask reuses the pages the scored ones left.
   engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))
   assert engine.scheduler.page_pool.prefix.stats.hit_tokens == 32
+
+
+def test_a_logprobs_warm_up_leaves_nothing_to_compile_when_requests_ask(checkpoint):
+  directory, _ = checkpoint
+  engine = _engine(directory, 8)
+  config = engine.scheduler.config
+  said = []
+  count = engine.executor.warmup(config.max_num_seqs, config.max_num_batched_tokens,
+                                 logprobs=True, progress=lambda done, total: said.append(
+                                     (done, total)))
+  assert said[-1] == (count, count)
+  compiled = engine.executor.num_compiles
+  engine.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True, logprobs=2,
+                                          prompt_logprobs=2))
+  assert engine.executor.num_compiles == compiled  # every scored step was warmed up

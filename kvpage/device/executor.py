@@ -209,18 +209,23 @@ class JaxExecutor(Executor):
     return self._prompt_logprobs
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
-             progress: Callable[[int, int], None] | None = None) -> int:
+             progress: Callable[[int, int], None] | None = None,
+             logprobs: bool = False) -> int:
     """Compiles every step shape a scheduler with these limits can produce; returns the count.
 
     All-padding batches write only the null page, so the cache's contents are untouched.
     With pinned buckets (`Buckets.for_server`) this is a few programs per token bucket,
     and serving never compiles on the request path afterwards. With
-    `num_decode_steps > 1` every decode shape also gets its multi-step program.
+    `num_decode_steps > 1` every decode shape also gets its multi-step program; with
+    `logprobs`, its two scoring programs (`Step.dispatch_logprobs`,
+    `dispatch_prompt_logprobs`), else they compile when a request first asks.
     """
     shapes = self.buckets.warmup_shapes(max_num_seqs, max_num_batched_tokens)
     width = self.buckets.table_width(1)
     multi = num_decode_steps > 1
-    total = sum((1 + (multi and decode_only)) * len(all_greedy) for _, _, decode_only in shapes)
+    scored = 2 if logprobs else 0  # the programs that score the samples, and the prompt
+    total = sum((1 + (multi and decode_only) + scored) * len(all_greedy)
+                for _, _, decode_only in shapes)
     count = 0
     with transfer_guard(self.guard):
       for num_tokens, num_seqs, decode_only in shapes:
@@ -235,6 +240,15 @@ class JaxExecutor(Executor):
             _, self._feed, self.cache = self.step.dispatch_multi(
                 self.params, self.cache, batch, greedy, self._feed, num_decode_steps)
             count += 1
+            if progress is not None:
+              progress(count, total)
+          if logprobs:  # (all padding: nothing is scored that a request reads)
+            self._feed, _, self.cache = self.step.dispatch_logprobs(
+                self.params, self.cache, batch, greedy, self._feed, MAX_LOGPROBS)
+            targets = np.full(num_tokens, -1, np.int32)
+            self._feed, _, _, self.cache = self.step.dispatch_prompt_logprobs(
+                self.params, self.cache, batch, greedy, self._feed, targets, MAX_LOGPROBS)
+            count += 2
             if progress is not None:
               progress(count, total)
       if self._feed is not None:

@@ -101,10 +101,11 @@ class SimExecutor(Executor):
 
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
-             progress: Callable[[int, int], None] | None = None) -> int:
+             progress: Callable[[int, int], None] | None = None,
+             logprobs: bool = False) -> int:
     """Nothing to compile: a priced step has no program."""
     del max_num_seqs, max_num_batched_tokens, all_greedy, num_decode_steps  # Unused.
-    del progress  # Unused.
+    del progress, logprobs  # Unused.
     return 0
 
   def measure_steps(self, max_num_seqs: int,
