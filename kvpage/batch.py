@@ -274,6 +274,27 @@ def _fill_sampling(batch: StepBatch, scheduled: Sequence[Any]) -> None:
       batch.banned[row, :len(stops)] = stops
 
 
+def prompt_targets(scheduled: Sequence[Any], num_rows: int
+                   ) -> tuple[np.ndarray, tuple[tuple[str, int, int, int, int], ...]]:
+  """For the sequences whose request asks for prompt log-probabilities: each token
+  row's target, the prompt token after it (-1 past the prompt's end and for every other
+  row), and the rows' owners, `(request id, first row, first position, rows, top
+  count)`. Rows follow `scheduled`, each sequence's tokens in a run, as `build` lays
+  them out."""
+  targets = np.full(num_rows, -1, np.int32)
+  owners, row = [], 0
+  for seq in scheduled:
+    top = seq.request.sampling.prompt_logprobs
+    prompt = seq.request.prompt_ids
+    if top is not None and seq.is_prefill and seq.start_position < len(prompt) - 1:
+      stop = min(seq.start_position + seq.num_tokens, len(prompt) - 1)
+      count = stop - seq.start_position
+      targets[row:row + count] = prompt[seq.start_position + 1:stop + 1]
+      owners.append((seq.request_id, row, seq.start_position, count, top))
+    row += seq.num_tokens
+  return targets, tuple(owners)
+
+
 _FIELD_DTYPES = {"temperature": np.float32, "top_p": np.float32, "seeds": np.uint32}  # else i32
 
 

@@ -62,6 +62,7 @@ class Ticket:
   # and which rows are whose: (request id, first row, first position, rows, top count).
   row_scores: jax.Array | None = None
   prompt_rows: tuple[tuple[str, int, int, int, int], ...] = ()
+  targets: np.ndarray | None = None  # each token row's target (`batch.prompt_targets`)
 
 
 class JaxExecutor(Executor):
@@ -140,11 +141,16 @@ class JaxExecutor(Executor):
   def _launch(self, output: SchedulerOutput) -> Ticket:
     batch, info = batch_lib.build(output.scheduled, page_size=self.cache.page_size,
                                   buckets=self.buckets, feed_rows=self._feed_rows)
-    wanted = {seq.request_id: seq.request.sampling.logprobs for seq in output.scheduled}
-    num_top = tuple(wanted.get(request_id) if samples else None
-                    for request_id, samples in zip(info.request_ids, info.samples))
     scores = row_scores = None
-    targets, prompt_rows = _prompt_targets(output, batch.token_ids.shape[0])
+    num_top: tuple[int | None, ...] = ()
+    targets, prompt_rows = None, ()
+    if output.num_steps == 1 and any(  # (the common case: nobody asks, nothing to build)
+        seq.request.sampling.logprobs is not None
+        or seq.request.sampling.prompt_logprobs is not None for seq in output.scheduled):
+      num_top = tuple(seq.request.sampling.logprobs if seq.samples else None
+                      for seq in output.scheduled)  # (rows follow `output.scheduled`)
+      targets, prompt_rows = batch_lib.prompt_targets(output.scheduled,
+                                                      batch.token_ids.shape[0])
     if output.num_steps > 1:  # multi-step decoding: samples [num_steps, feed_width]
       tokens, feed, self.cache = self.step.dispatch_multi(
           self.params, self.cache, batch, info.all_greedy, self._feed, output.num_steps)
@@ -174,7 +180,7 @@ class JaxExecutor(Executor):
                        in enumerate(zip(info.request_ids, info.samples)) if samples}
     self.num_launches += 1
     return Ticket(tokens, info, scores, num_top if scores is not None else (), row_scores,
-                  prompt_rows)
+                  prompt_rows, targets)
 
   def collect(self, ticket: Ticket) -> Samples:
     """Waits for a launched step: a sampled token per sequence that samples (a list of
@@ -190,7 +196,7 @@ class JaxExecutor(Executor):
                                          info.request_ids)
       if ticket.row_scores is not None:
         self._prompt_logprobs = _row_logprobs(jax.device_get(ticket.row_scores),
-                                              ticket.prompt_rows)
+                                              ticket.targets, ticket.prompt_rows)
     if tokens.ndim == 1:
       return {request_id: token for request_id, token, samples
               in zip(info.request_ids, tokens[:info.num_seqs].tolist(), info.samples)
@@ -199,7 +205,6 @@ class JaxExecutor(Executor):
     return {request_id: row[:num_steps] for request_id, row, num_steps
             in zip(info.request_ids, columns, info.num_steps)}
 
-
   def logprobs(self) -> dict[str, TokenLogprobs]:
     """The last collected step's log-probabilities, for the rows whose request asks."""
     return self._logprobs
@@ -207,6 +212,7 @@ class JaxExecutor(Executor):
   def prompt_logprobs(self) -> dict[str, list[tuple[int, TokenLogprobs]]]:
     """The last collected step's prompt log-probabilities (see `Executor`)."""
     return self._prompt_logprobs
+
   def warmup(self, max_num_seqs: int, max_num_batched_tokens: int,
              all_greedy: tuple[bool, ...] = (True,), num_decode_steps: int = 1, *,
              progress: Callable[[int, int], None] | None = None,
@@ -276,52 +282,29 @@ class JaxExecutor(Executor):
     return measured
 
 
+def _entry(values: np.ndarray, token_id: int, top: int) -> TokenLogprobs:
+  """One row of packed scores (`kvpage.device.step._pack_scores`) as `token_id`'s entry,
+  with its request's count of the likeliest."""
+  ids = values[1 + MAX_LOGPROBS:].astype(np.int64)
+  return TokenLogprobs(token_id, float(values[0]), tuple(
+      (int(i), float(v)) for i, v in zip(ids[:top], values[1:1 + top])))
+
+
 def _token_logprobs(scores: np.ndarray, tokens: np.ndarray, num_top: Sequence[int | None],
                     request_ids: Sequence[str]) -> dict[str, TokenLogprobs]:
-  """Rows of `Step.dispatch_logprobs`' scores, unpacked for the requests that ask: the
-  sampled token, its log-probability and its request's count of the likeliest."""
-  out = {}
-  for row, (request_id, top) in enumerate(zip(request_ids, num_top)):
-    if top is None:
-      continue
-    values = scores[row]
-    ids = values[1 + MAX_LOGPROBS:].astype(np.int64)
-    out[request_id] = TokenLogprobs(int(tokens[row]), float(values[0]), tuple(
-        (int(i), float(v)) for i, v in zip(ids[:top], values[1:1 + top])))
-  return out
+  """Rows of `Step.dispatch_logprobs`' scores, for the requests that ask: the sampled
+  token's entry."""
+  return {request_id: _entry(scores[row], int(tokens[row]), top)
+          for row, (request_id, top) in enumerate(zip(request_ids, num_top))
+          if top is not None}
 
 
-def _prompt_targets(output: SchedulerOutput, num_rows: int
-                    ) -> tuple[np.ndarray, tuple[tuple[str, int, int, int, int], ...]]:
-  """For the sequences whose request asks for prompt log-probabilities: each token
-  row's target (the prompt token after it; -1 past the prompt's end, and for every other
-  row) and the rows' owners, `(request id, first row, first position, rows, top
-  count)`. Rows follow `output.scheduled`, each sequence's tokens in a run
-  (`kvpage.batch.build`)."""
-  targets = np.full(num_rows, -1, np.int32)
-  owners, row = [], 0
-  for seq in output.scheduled:
-    top = seq.request.sampling.prompt_logprobs
-    prompt = seq.request.prompt_ids
-    if top is not None and seq.is_prefill and seq.start_position < len(prompt) - 1:
-      stop = min(seq.start_position + seq.num_tokens, len(prompt) - 1)
-      count = stop - seq.start_position
-      targets[row:row + count] = prompt[seq.start_position + 1:stop + 1]
-      owners.append((seq.request_id, row, seq.start_position, count, top))
-    row += seq.num_tokens
-  return targets, tuple(owners)
-
-
-def _row_logprobs(scores: np.ndarray, owners: Sequence[tuple[str, int, int, int, int]]
+def _row_logprobs(scores: np.ndarray, targets: np.ndarray,
+                  owners: Sequence[tuple[str, int, int, int, int]]
                   ) -> dict[str, list[tuple[int, TokenLogprobs]]]:
   """Token rows' scores (`Step.dispatch_prompt_logprobs`) for their owners: position p
-  + 1's token scored by row p's logits, with the owner's count of the likeliest."""
-  out: dict[str, list[tuple[int, TokenLogprobs]]] = {}
-  for request_id, first_row, first_position, count, top in owners:
-    entries = out.setdefault(request_id, [])
-    for i in range(count):
-      values = scores[first_row + i]
-      ids = values[1 + MAX_LOGPROBS:].astype(np.int64)
-      entries.append((first_position + i + 1, TokenLogprobs(-1, float(values[0]), tuple(
-          (int(t), float(v)) for t, v in zip(ids[:top], values[1:1 + top])))))
-  return out
+  + 1's token (row p's target) scored by row p's logits."""
+  return {request_id: [(first_position + i + 1,
+                        _entry(scores[first_row + i], int(targets[first_row + i]), top))
+                       for i in range(count)]
+          for request_id, first_row, first_position, count, top in owners}

@@ -171,8 +171,7 @@ class Engine:
       if not request.prompt_logprobs:
         request.prompt_logprobs = [None] * request.num_prompt_tokens
       for position, entry in computed.get(seq.request_id, ()):
-        request.prompt_logprobs[position] = entry._replace(
-            token_id=request.prompt_ids[position])
+        request.prompt_logprobs[position] = entry
       if before.get(seq.request_id) == 0 and new_tokens.get(seq.request_id):
         whole[seq.request_id] = tuple(request.prompt_logprobs)
     return whole
@@ -181,9 +180,9 @@ class Engine:
                        ) -> dict[str, tuple[TokenLogprobs, ...]]:
     """The step's log-probabilities (`Executor.logprobs`) of the tokens `update` kept,
     appended to their requests' `output_logprobs`; by request id."""
-    if not any(seq.request.sampling.logprobs is not None for seq in output.scheduled):
-      return {}
     computed = self.executor.logprobs()
+    if not computed:  # (the common case: nobody asked, no loop over the step)
+      return {}
     attached: dict[str, tuple[TokenLogprobs, ...]] = {}
     for seq in output.scheduled:
       entry = computed.get(seq.request_id)
