@@ -236,6 +236,9 @@ SERVE = [
     "jinja2>=3.1",  # chat templates
     "aiohttp>=3.9",  # benchmarks/serve_http.py's load client, the server's companion
 ]
+# The fleet (`python -m experiments.serve --replicas=N`, kvpage.serve.ray_fleet): Ray
+# Serve, pinned, as its request-router API is alpha (one adapter module uses it).
+FLEET = ["ray[serve]==2.60.0"]
 # The figures (experiments/plots.py) and the notebooks; nbclient + ipykernel run them
 # headless (the tests do), Jupyter opens them.
 NOTEBOOKS = [
@@ -276,9 +279,11 @@ setuptools.setup(
         # The streaming gateway (`python -m experiments.serve`); transformers for its
         # tokenizer and chat templates only (it loads no torch).
         "serve": SERVE,
+        "fleet": [*SERVE, *FLEET],
         "notebooks": [*NOTEBOOKS, "jupyterlab>=4"],
         "test": [
             *SERVE,
+            *FLEET,  # tests/test_ray_fleet.py: a local Ray cluster
             *NOTEBOOKS,
             "openai>=1.40",  # the official client, driven against the server in tests
             "httpx>=0.27",

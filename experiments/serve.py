@@ -20,8 +20,15 @@ directory, with `configs/tiny.py`'s settings.
 
 `--tensor_parallel=N` steps over N devices; a multi-process run (`--num_processes`,
 docs/multi_device.md) serves HTTP from process 0 while every process steps.
+
+`--replicas=N` serves a fleet instead (`pip install -e ".[fleet]"`; docs/fleet.md): N
+engines, each in a Ray Serve replica process of its own with its own pool, behind this
+process's door, routed by `--router`. Without `--ray_address` a local Ray cluster
+starts with the command and stops with it; with it the replicas join that cluster (one
+GPU, or one per `--tensor_parallel` device, per replica where the cluster has GPUs).
 """
 
+import logging
 import os
 from typing import Any
 
@@ -31,6 +38,7 @@ from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import cli, progress
 from kvpage import build
+from kvpage.host import routing
 
 _CONFIG = cli.define_config("configs/tiny.py",
                             "Config for random weights; its scheduler and cache sections "
@@ -103,6 +111,17 @@ _WARMUP_SAMPLING = flags.DEFINE_bool("warmup_sampling", True,
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", "workdir/jax_cache", "Persistent XLA compilation cache ('' = off).")
 _SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
+_REPLICAS = flags.DEFINE_integer(
+    "replicas", 0, "Serve a fleet of this many engines on Ray Serve, each its own process "
+    "(the fleet extra); 0: one engine in this process.")
+_ROUTER = flags.DEFINE_enum("router", "kv_headroom", list(routing.POLICIES),
+                            "The fleet's routing policy (kvpage.host.routing).")
+_RAY_ADDRESS = flags.DEFINE_string(
+    "ray_address", None, "A Ray cluster for the fleet's replicas ('auto', or "
+    "HOST:PORT); none: a local cluster, started and stopped with the command.")
+_RAY_CPUS = flags.DEFINE_integer("ray_cpus", None, "CPUs of the local Ray cluster "
+                                 "(default: the machine's).")
+FLEET_NAME = "kvpage"  # the Ray Serve application
 
 
 def api_keys() -> tuple[str, ...]:
@@ -119,6 +138,14 @@ def check_flags() -> None:
   if _NUM_PAGES.value is not None and (_NUM_PAGES.value < 0 or _NUM_PAGES.value == 1):
     raise ValueError(f"--num_pages must be 0 (sized from memory) or >= 2, got "
                      f"{_NUM_PAGES.value}")
+  if _REPLICAS.value < 0:
+    raise ValueError(f"--replicas must be >= 0, got {_REPLICAS.value}")
+  if _REPLICAS.value and (_PROCESSES.num_processes.value or 1) > 1:
+    raise ValueError("--replicas runs each replica in a process of its own; a "
+                     "multi-process replica (--num_processes) is not supported")
+  for name in ("router", "ray_address", "ray_cpus"):
+    if flags.FLAGS[name].present and not _REPLICAS.value:
+      raise ValueError(f"--{name} applies to a fleet: give --replicas too")
   api_keys()
 
 
@@ -130,6 +157,12 @@ def main(argv: list[str]) -> None:
   except ImportError as error:
     raise ValueError(f"the server needs the serve extra ({error.name} is missing): "
                      "pip install -e '.[serve]'") from None
+  if _REPLICAS.value:
+    try:  # the fleet extra, checked before anything starts
+      from kvpage.serve import ray_fleet  # noqa: F401
+    except ImportError as error:
+      raise ValueError(f"--replicas needs the fleet extra ({error.name} is missing): "
+                       "pip install -e '.[fleet]'") from None
   from models import hf
 
   checkpoint, model_name = _CHECKPOINT.value, None
@@ -163,9 +196,15 @@ def main(argv: list[str]) -> None:
   if checkpoint:
     tokenizer = hf.load_tokenizer(checkpoint)
     eos_ids = hf.eos_token_ids(checkpoint, tokenizer)
-  cli.enable_compilation_cache(_COMPILATION_CACHE.value)
   if checkpoint and _EXECUTOR.value == "sim":
     raise ValueError("--checkpoint needs --executor=jax (the simulator runs no weights)")
+  name = model_name or (checkpoint.rstrip("/").split("/")[-1] if checkpoint
+                        else config.model.name)
+  if _REPLICAS.value:
+    print(f"kvpage serve: lines held: {line}", flush=True)
+    _serve_fleet(config, checkpoint, tokenizer, eos_ids, name)
+    return
+  cli.enable_compilation_cache(_COMPILATION_CACHE.value)
   setup = cli.serving_engine(config, executor=_EXECUTOR.value,
                              hardware=hardware_lib.get_hardware(config.hardware),
                              checkpoint=checkpoint, paced=True)
@@ -176,9 +215,8 @@ def main(argv: list[str]) -> None:
     return
   print(f"kvpage serve: lines held: {line}", flush=True)
   try:
-    _serve(setup, tokenizer, eos_ids,
-           model_name or (checkpoint.rstrip("/").split("/")[-1] if checkpoint
-                    else setup.config.model.name))
+    _serve(setup, tokenizer, eos_ids, model_name or (
+        name if checkpoint else setup.config.model.name))
   finally:
     build.stop_followers(setup.engine)
 
@@ -187,7 +225,6 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...],
            name: str) -> None:
   """Warms the engine up, then serves HTTP as model `name` until a signal drains it."""
   from kvpage.serve import app as app_lib
-  from kvpage.serve import server as server_lib
 
   engine, scheduler_config = setup.engine, setup.config.scheduler
   if _WARMUP.value:
@@ -203,13 +240,61 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...],
     print(f"kvpage serve: {compiled}; timed {priced} step shapes for the wait forecast",
           flush=True)
   server = setup.config.server
-  keys = api_keys()
   server_config = app_lib.ServerConfig.from_config(
       server, model_name=name, max_model_len=engine.scheduler.max_model_len,
-      eos_token_ids=eos_ids, backends=setup.backends, api_keys=keys)
+      eos_token_ids=eos_ids, backends=setup.backends, api_keys=api_keys())
   if setup.backends:
     print(f"kvpage serve: kernels: {cli.backends_line(setup.backends)}", flush=True)
-  gateway = app_lib.Gateway(engine, server_config, tokenizer)
+  _listen(app_lib.Gateway(engine, server_config, tokenizer), server, server_config,
+          banner=f"{setup.num_pages:,} KV pages" + (
+              f" ({setup.memory_plan.reason()})" if setup.memory_plan
+              else f" ({setup.pool_reason})" if setup.pool_reason else ""))
+
+
+def _serve_fleet(config: Any, checkpoint: str | None, tokenizer: Any,
+                 eos_ids: tuple[int, ...], name: str) -> None:
+  """Starts the fleet's replicas on Ray Serve, serves HTTP here until a signal drains
+  it, then stops the replicas (and the local cluster, if the command started it)."""
+  from experiments import replica
+  from kvpage.serve import app as app_lib
+  from kvpage.serve import ray_fleet
+
+  recipe = replica.ReplicaRecipe(
+      config, _EXECUTOR.value, name,
+      checkpoint=os.path.abspath(checkpoint) if checkpoint else None,
+      warmup=_WARMUP.value, warmup_sampling=_WARMUP_SAMPLING.value,
+      warmup_logprobs=_WARMUP_LOGPROBS.value,
+      compilation_cache=(os.path.abspath(_COMPILATION_CACHE.value)
+                         if _COMPILATION_CACHE.value else ""))
+  logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its start-up lines
+  print(f"kvpage serve: starting {_REPLICAS.value} replicas on Ray Serve "
+        f"({_RAY_ADDRESS.value or 'a local cluster'}); each builds and warms its engine",
+        flush=True)
+  try:
+    fleet = ray_fleet.start_fleet(
+        recipe, num_replicas=_REPLICAS.value, policy=_ROUTER.value, name=FLEET_NAME,
+        ray_address=_RAY_ADDRESS.value, num_cpus=_RAY_CPUS.value,
+        gpus_per_replica=0 if _EXECUTOR.value == "sim" else None,
+        devices_per_replica=config.mesh.tensor_parallel or 1)
+  except RuntimeError as error:  # a replica failed to start: its error's last line
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    raise ValueError(f"the fleet did not start: {lines[-1] if lines else error}") from None
+  try:
+    server = config.server
+    server_config = app_lib.ServerConfig.from_config(
+        server, model_name=name, max_model_len=int(fleet.info["max_model_len"]),
+        eos_token_ids=eos_ids, api_keys=api_keys())
+    gateway = app_lib.Gateway(ray_fleet.FleetBackend(fleet, name), server_config, tokenizer)
+    _listen(gateway, server, server_config, banner=ray_fleet.fleet_banner(fleet))
+  finally:
+    fleet.shutdown()
+
+
+def _listen(gateway: Any, server: Any, server_config: Any, banner: str) -> None:
+  """Serves `gateway` on the config's address until a signal drains it."""
+  from kvpage.serve import server as server_lib
+
+  keys = server_config.api_keys
   limits = server_lib.ConnectionLimits.from_config(server)
   print(f"kvpage serve: at most {limits.max_connections:,} connections; "
         f"{len(keys)} API key{'s' if len(keys) != 1 else ''}"
@@ -217,9 +302,7 @@ def _serve(setup: build.ServingSetup, tokenizer: Any, eos_ids: tuple[int, ...],
         f"{', '.join(server_config.allowed_hosts)}; CORS origins "
         f"{', '.join(server_config.allowed_origins) or 'none'}", flush=True)
   server_lib.serve(gateway, host=server.host, port=server.port, limits=limits,
-                   banner=f"{setup.num_pages:,} KV pages"
-                   + (f" ({setup.memory_plan.reason()})" if setup.memory_plan
-                      else f" ({setup.pool_reason})" if setup.pool_reason else ""))
+                   banner=banner)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ import asyncio
 import itertools
 import math
 import threading
-import types
 
 import hypothesis
 import numpy as np
@@ -338,15 +337,24 @@ def test_a_request_arrives_when_the_http_layer_stamps_it_not_when_the_engine_see
   engine = fake_engine()
   stamped = engine.clock() - 0.25  # e.g. a step in progress, then tokenizing
 
+  made = []
+  add_request = engine.add_request
+
+  def recording_add(*args, **kwargs):
+    request, answer = add_request(*args, **kwargs)
+    made.append(request)
+    return request, answer
+
+  engine.add_request = recording_add
+
   async def run(loop):
     answer, stream = await loop.submit(Submission(
         "a", [1, 2, 3], SamplingParams(max_tokens=2), arrival_time=stamped))
     assert answer.admitted
     await stream.done
-    return stream
 
-  stream = _engine_loop_run(engine, run)
-  assert stream.request.arrival_time == stamped
+  _engine_loop_run(engine, run)
+  assert [request.arrival_time for request in made] == [stamped]
 
 
 def test_a_failing_engine_ends_every_stream_and_refuses_new_work():
@@ -397,15 +405,14 @@ def test_an_id_reused_at_once_is_not_ended_by_the_report_of_the_request_before()
 def test_a_stream_hands_over_deltas_in_order_and_times_out_with_none():
   async def run():
     loop = asyncio.get_running_loop()
-    request = types.SimpleNamespace(request_id="a", num_prompt_tokens=3)
-    stream = Stream(request, loop)
+    stream = Stream("a", [1, 2, 3], loop)
     assert await stream.next(timeout_s=0.01) is None  # nothing came: the status tick
-    stream._deliver(Delta("x", (1,)))
-    stream._deliver(Delta("y", (2,)))
+    stream.deliver(Delta("x", (1,)))
+    stream.deliver(Delta("y", (2,)))
     first, second = await stream.next(0.01), await stream.next(0.01)
     waiting = asyncio.ensure_future(stream.next(timeout_s=5.0))
     await asyncio.sleep(0)
-    loop.call_soon(stream._deliver, Delta("z", (3,), "length", num_output_tokens=3))
+    loop.call_soon(stream.deliver, Delta("z", (3,), "length", num_output_tokens=3))
     third = await asyncio.wait_for(waiting, 1.0)  # woken by the delivery, not the timer
     return first, second, third, stream
 

@@ -65,6 +65,7 @@ class ReplicaStats:
   wait_s: float = 0.0  # its forecast wait for a newcomer's first token
   page_size: int = 16
   prefix_pages: frozenset[bytes] = frozenset()  # chain hashes of its cached full pages
+  taken_at: float = 0.0  # when, on the replica's clock: a fresh snapshot differs from the last
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +84,8 @@ class RouteRequest:
 def replica_stats(replica_id: str, scheduler: "Scheduler") -> ReplicaStats:
   """A replica's snapshot, read from its scheduler: headroom above its KV line (free
   pages, less the watermark's, less what running prompts still take), its admitted
-  backlog, the forecast wait of the last request in its queue (0 when none waits), and
-  its prefix cache's page names."""
+  backlog, the forecast wait of the last request in its queue (0 when none waits), its
+  prefix cache's page names, and the time on its clock."""
   pool, admission = scheduler.page_pool, scheduler.admission
   headroom = (pool.num_free_pages - admission.watermark_pages
               - admission.owed_pages(scheduler.running))
@@ -94,7 +95,8 @@ def replica_stats(replica_id: str, scheduler: "Scheduler") -> ReplicaStats:
       replica_id, num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
       headroom_pages=int(headroom), promised_pages=admission.num_backlog_pages, wait_s=wait,
       page_size=pool.page_size,
-      prefix_pages=pool.prefix.names() if pool.prefix is not None else frozenset())
+      prefix_pages=pool.prefix.names() if pool.prefix is not None else frozenset(),
+      taken_at=scheduler.clock())
 
 
 def prompt_hashes(prompt_ids: Sequence[int], page_size: int) -> tuple[bytes, ...]:
@@ -141,12 +143,18 @@ class Router:
     return list(self._stats)
 
   def update(self, stats: Sequence[ReplicaStats]) -> None:
-    """A fresh snapshot of every replica; what was sent before it is in it now."""
+    """The fleet's replicas, each with its latest snapshot. A replica whose snapshot is
+    new counts afresh what it is sent (what was sent before is in the snapshot now); one
+    whose snapshot is the one it had keeps its count; one missing has left the fleet."""
     if not stats:
       raise ValueError("a fleet needs at least one replica")
+    old = self._stats
     self._stats = {s.replica_id: s for s in stats}
-    self._sent_requests = dict.fromkeys(self._stats, 0)
-    self._sent_pages = dict.fromkeys(self._stats, 0)
+    for name, snapshot in self._stats.items():
+      if old.get(name) != snapshot:
+        self._sent_requests[name] = self._sent_pages[name] = 0
+    for name in [name for name in self._sent_requests if name not in self._stats]:
+      del self._sent_requests[name], self._sent_pages[name]
 
   def sent(self, replica_id: str, request: RouteRequest) -> None:
     """`request` was admitted by `replica_id`: counted until the next snapshot."""
@@ -212,22 +220,51 @@ class Routed:
   tried: tuple[tuple[str, Admission], ...]
 
 
+class Door:
+  """One request at the fleet's door: the replicas' answers as they come (`answer`),
+  and the outcome once one admits it, or it is the request's own fault, or every replica
+  was asked (`refused`). Each replica is asked at most once; at most one admits."""
+
+  def __init__(self) -> None:
+    self.tried: list[tuple[str, Admission]] = []
+
+  def asked(self, replica_id: str) -> bool:
+    return any(name == replica_id for name, _ in self.tried)
+
+  def answer(self, replica_id: str, answer: Admission) -> Routed | None:
+    """`replica_id`'s answer; the outcome if it ends the request's round, else None
+    (ask the next)."""
+    if self.asked(replica_id):
+      raise ValueError(f"replica {replica_id} was asked twice for one request")
+    self.tried.append((replica_id, answer))
+    if answer.admitted:
+      return Routed(replica_id, answer, tuple(self.tried))
+    if answer.status == BAD_REQUEST and answer.cause in REQUEST_FAULTS:
+      return Routed(None, answer, tuple(self.tried))  # no replica can serve it: no retry
+    return None
+
+  def refused(self) -> Routed:
+    """Every replica asked refused: the fleet's answer."""
+    if not self.tried:
+      raise ValueError("no replica was asked")
+    return Routed(None, _fleet_refusal([answer for _, answer in self.tried]),
+                  tuple(self.tried))
+
+
 def route(router: Router, request: RouteRequest,
           admit: Callable[[str], Admission]) -> Routed:
   """The fleet's door: `admit(replica_id)` asks one replica to take the request (its
   admission answer); replicas are asked in `router.rank` order until one admits, and
   the router counts what it sent. A request is asked of each replica at most once and
   admitted by at most one."""
-  tried: list[tuple[str, Admission]] = []
+  door = Door()
   for replica_id in router.rank(request):
-    answer = admit(replica_id)
-    tried.append((replica_id, answer))
-    if answer.admitted:
-      router.sent(replica_id, request)
-      return Routed(replica_id, answer, tuple(tried))
-    if answer.status == BAD_REQUEST and answer.cause in REQUEST_FAULTS:
-      return Routed(None, answer, tuple(tried))  # no replica can serve it: no retry
-  return Routed(None, _fleet_refusal([answer for _, answer in tried]), tuple(tried))
+    routed = door.answer(replica_id, admit(replica_id))
+    if routed is not None:
+      if routed.replica_id is not None:
+        router.sent(replica_id, request)
+      return routed
+  return door.refused()
 
 
 def _fleet_refusal(answers: Sequence[Admission]) -> Admission:

@@ -56,7 +56,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import fastapi
 import prometheus_client
@@ -93,6 +93,7 @@ TOKENIZER_THREADS = 2  # text is tokenized here, off the event loop
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 LOOPBACK_ADDRESSES = ("127.0.0.1", "::1", "localhost")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REPLICA_LOST = "the replica serving this request stopped"  # a fleet's (ray_fleet)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,15 +170,70 @@ def longest_token_chars(tokenizer: Any) -> int:
   return max([len(token) for token in tokens if token] + [1])
 
 
-class Gateway:
-  """The server's state: the engine loop, the tokenizer, and whether it is draining."""
+class Loop(Protocol):
+  """The engine side as the gateway's handlers see it (`EngineLoop` is one engine's)."""
 
-  def __init__(self, engine: Engine, config: ServerConfig, tokenizer: Any = None):
+  failure: str | None
+
+  @property
+  def alive(self) -> bool: ...
+  def start(self) -> None: ...
+  def stop(self) -> None: ...
+  def health(self) -> tuple[str, dict[str, Any]]: ...
+  async def submit_all(self, submissions: Sequence[Submission]
+                       ) -> tuple[Admission, list[Stream] | None]: ...
+  def abort(self, request_id: str, reason: str = "aborted") -> None: ...
+  async def status(self, request_id: str) -> QueueStatus | None: ...
+  async def wait_idle(self, timeout_s: float) -> bool: ...
+  async def abort_all(self) -> int: ...
+
+
+class Backend(Protocol):
+  """What the gateway serves from: one engine on a thread of this process
+  (`EngineBackend`), or a fleet of them (`kvpage.serve.ray_fleet.FleetBackend`)."""
+
+  computes_logits: bool
+
+  def arrival_time(self) -> float | None:
+    """Now on the engine's clock (a request's arrival), or None: the engine stamps it."""
+  def open(self, loop: asyncio.AbstractEventLoop, tokenizer: Any) -> Loop:
+    """The engine side's asyncio face, on `loop`."""
+  def rejected(self, status: int) -> None:
+    """A request was answered with an error status before its response started."""
+  async def render_metrics(self) -> bytes:
+    """`/metrics`, in Prometheus text."""
+
+
+class EngineBackend:
+  """One engine, stepped by a thread of this process (`EngineLoop`)."""
+
+  def __init__(self, engine: Engine, model_name: str):
     self.engine = engine
+    self.metrics = ServerMetrics(engine.scheduler, engine.clock, model_name)
+    self.computes_logits = engine.executor.computes_logits
+
+  def arrival_time(self) -> float:
+    return self.engine.clock()
+
+  def open(self, loop: asyncio.AbstractEventLoop, tokenizer: Any) -> EngineLoop:
+    return EngineLoop(self.engine, loop, metrics=self.metrics, tokenizer=tokenizer)
+
+  def rejected(self, status: int) -> None:
+    self.metrics.rejected(status)
+
+  async def render_metrics(self) -> bytes:
+    return self.metrics.render()
+
+
+class Gateway:
+  """The server's state: the engine side, the tokenizer, and whether it is draining."""
+
+  def __init__(self, engine: Engine | Backend, config: ServerConfig, tokenizer: Any = None):
+    self.backend: Backend = (EngineBackend(engine, config.model_name)
+                             if isinstance(engine, Engine) else engine)
     self.config = config
     self.tokenizer = tokenizer
-    self.metrics = ServerMetrics(engine.scheduler, engine.clock, config.model_name)
-    self.loop: EngineLoop | None = None
+    self.loop: Loop | None = None
     self.created = int(time.time())
     self.draining = False
     self._drain_ends = 0.0
@@ -192,8 +248,7 @@ class Gateway:
   # Lifecycle.
   def start(self) -> None:
     """Starts the engine thread; call from the event loop that serves."""
-    self.loop = EngineLoop(self.engine, asyncio.get_running_loop(), metrics=self.metrics,
-                           tokenizer=self.tokenizer)
+    self.loop = self.backend.open(asyncio.get_running_loop(), self.tokenizer)
     self.loop.start()
     if self.tokenizer is not None:
       self._tokenize_pool = concurrent.futures.ThreadPoolExecutor(
@@ -220,9 +275,9 @@ class Gateway:
     """Checks, tokenizes and submits one request; answers it streamed or whole."""
     # Arrival is now, on the engine's clock: the wait for the engine thread (a step in
     # progress) and the tokenizing count toward the request's wait and its TTFT.
-    arrived = self.engine.clock()
+    arrived = self.backend.arrival_time()
     self._check_model(gen.model)
-    if gen.logprobs is not None and not self.engine.executor.computes_logits:
+    if gen.logprobs is not None and not self.backend.computes_logits:
       raise ApiError(400, "this server simulates its steps and computes no logits, so it has "
                      "no log-probabilities to return", code="unsupported_option",
                      param="logprobs")
@@ -434,7 +489,7 @@ class Gateway:
       return gen.prompt_text
     if self.tokenizer is None:
       return ""
-    return self.tokenizer.decode(stream.request.prompt_ids, skip_special_tokens=False)
+    return self.tokenizer.decode(stream.prompt_ids, skip_special_tokens=False)
 
   def _usage(self, stream: Stream, num_output_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": stream.num_prompt_tokens,
@@ -454,7 +509,10 @@ class Gateway:
       return ApiError(429, "the request's max_queue_wait_s passed before it was scheduled",
                       "rate_limit_error", "wait_deadline",
                       headers=push_back_headers(last.retry_after, "wait_deadline"))
-    return ApiError(500, f"the engine stopped: {self.loop and self.loop.failure}",
+    if last.error is not None and last.error.startswith(REPLICA_LOST):  # a fleet's replica
+      return ApiError(SERVICE_UNAVAILABLE, last.error, "service_unavailable_error",
+                      "replica_lost", headers=push_back_headers(1.0, "replica_lost"))
+    return ApiError(500, last.error or f"the engine stopped: {self.loop and self.loop.failure}",
                     "server_error", "engine_dead")
 
   async def _events(self, gen: GenerationRequest,
@@ -536,7 +594,7 @@ class Gateway:
         chunk = self._chunk(gen, stream, self._echo(gen, stream), (), None, index=index)
         if gen.logprobs is not None:
           chunk["choices"][0]["logprobs"] = self._logprobs(
-              gen, (), stream.request.prompt_ids, delta.prompt_logprobs or ())
+              gen, (), stream.prompt_ids, delta.prompt_logprobs or ())
         yield _sse(chunk)
       scoring = _scoring_only(gen)
       if not scoring and (delta.text or (delta.token_ids and self._shows_tokens(gen))):
@@ -598,7 +656,7 @@ class Gateway:
       choice["message"] = {"role": "assistant", "content": text}
     else:
       choice["text"] = (self._echo(gen, stream) if gen.echo else "") + text
-    prompt = stream.request.prompt_ids if gen.echo else ()
+    prompt = stream.prompt_ids if gen.echo else ()
     choice |= {"logprobs": self._logprobs(gen, scored, prompt, prompt_scored)
                            if gen.logprobs is not None else None,
                "finish_reason": last.finish_reason, "stop_reason": last.stop_reason}
@@ -754,7 +812,7 @@ def make_app(gateway: Gateway) -> fastapi.FastAPI:
   @app.exception_handler(ApiError)
   async def api_error(request: fastapi.Request, error: ApiError) -> responses.JSONResponse:
     del request
-    gateway.metrics.rejected(error.status)
+    gateway.backend.rejected(error.status)
     return responses.JSONResponse(error.body(), error.status, headers=error.headers)
 
   @app.exception_handler(ClientGoneError)
@@ -796,16 +854,19 @@ def make_app(gateway: Gateway) -> fastapi.FastAPI:
 
   @app.get("/health")
   async def health() -> responses.JSONResponse:
-    if gateway.loop is None or not gateway.loop.alive:
-      failure = gateway.loop.failure if gateway.loop is not None else "not started"
-      return responses.JSONResponse({"status": "error", "detail": failure}, 503)
+    if gateway.loop is None:
+      return responses.JSONResponse({"status": "error", "detail": "not started"}, 503)
+    status, detail = gateway.loop.health()
+    if status == "error":
+      return responses.JSONResponse({"status": status, **detail}, 503)
     if gateway.draining:
-      return responses.JSONResponse({"status": "draining"}, 503)
-    return responses.JSONResponse({"status": "ok"})
+      return responses.JSONResponse({"status": "draining", **detail}, 503)
+    # "degraded": a fleet serving with fewer replicas than it should (still 200: it serves)
+    return responses.JSONResponse({"status": status, **detail})
 
   @app.get("/metrics")
   async def metrics() -> responses.Response:
-    return responses.Response(gateway.metrics.render(),
+    return responses.Response(await gateway.backend.render_metrics(),
                               media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
   return app

@@ -72,6 +72,7 @@ class Delta:
   preempted: bool = False
   num_output_tokens: int = 0
   retry_after: float | None = None  # "deadline": when a retry would meet the deadline
+  error: str | None = None  # "error": what failed (the engine, or a fleet's replica)
   # What stopped it, as vLLM names it: the stop string, or the client's stop token id;
   # None for EOS, length and the rest.
   stop_reason: str | int | None = None
@@ -95,14 +96,15 @@ class Stream:
   """The asyncio side of one admitted request: its deltas, in order, and its end.
 
   `next` hands over one delta at a time, waking its reader in one hop: one future that
-  `_deliver` resolves, raced against a timer (an `asyncio.wait` over a queue's getter
+  `deliver` resolves, raced against a timer (an `asyncio.wait` over a queue's getter
   task costs three hops, about half a millisecond on the token path of a small host).
   """
 
-  def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
-    self.request = request
-    self.request_id = request.request_id
-    self.num_prompt_tokens = request.num_prompt_tokens
+  def __init__(self, request_id: str, prompt_ids: Sequence[int],
+               loop: asyncio.AbstractEventLoop):
+    self.request_id = request_id
+    self.prompt_ids = prompt_ids
+    self.num_prompt_tokens = len(prompt_ids)
     self.created = int(time.time())  # the responses' `created` (the gateway sets arrival)
     self.response_id = self.request_id  # the response's `id` (n > 1: the choices share one)
     self.done = loop.create_future()  # resolved with the last delta
@@ -130,7 +132,7 @@ class Stream:
     self._pending.clear()
     return deltas
 
-  def _deliver(self, delta: Delta) -> None:  # on the event loop
+  def deliver(self, delta: Delta) -> None:  # on the event loop
     self._pending.append(delta)
     if self._waiter is not None:
       _resolve(self._waiter)
@@ -183,6 +185,17 @@ class EngineLoop:
   @property
   def alive(self) -> bool:
     return self._thread.is_alive() and self.failure is None
+
+  def health(self) -> tuple[str, dict[str, Any]]:
+    """`/health`'s answer: "ok", or "error" with the defect that stopped the thread."""
+    if self.alive:
+      return "ok", {}
+    return "error", {"detail": self.failure or "the engine thread is not running"}
+
+  async def call(self, function: Callable[[Engine], Any]) -> Any:
+    """`function(engine)`, run on the engine thread between two steps (a read of the
+    scheduler's state that must not race a step)."""
+    return await self._call(lambda: function(self.engine))
 
   async def submit(self, submission: Submission) -> tuple[Admission, Stream | None]:
     """Admits or refuses; an admitted request's deltas flow into the returned stream."""
@@ -307,7 +320,7 @@ class EngineLoop:
     detokenizer = (IncrementalDetokenizer(self.tokenizer, request.prompt_ids,
                                           skip_special_tokens=submission.skip_special_tokens)
                    if self.tokenizer is not None else None)
-    stream = Stream(request, self.loop)
+    stream = Stream(request.request_id, request.prompt_ids, self.loop)
     stops = StopStrings(submission.stop, include=submission.include_stop_str)
     self._tracked[request.request_id] = _Tracked(request, stream, detokenizer, stops,
                                                  submission.own_stop_token_ids)
@@ -427,11 +440,12 @@ class EngineLoop:
                   num_output_tokens=tracked.request.num_output_tokens, retry_after=retry_after,
                   stop_reason=stop_reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     if deliver:
-      self.loop.call_soon_threadsafe(tracked.stream._deliver, delta)
+      self.loop.call_soon_threadsafe(tracked.stream.deliver, delta)
     return delta
 
   def _fail_all(self) -> None:
-    deliveries = [(tracked.stream, Delta(finish_reason="error"))
+    deliveries = [(tracked.stream, Delta(finish_reason="error",
+                                         error=f"the engine stopped: {self.failure}"))
                   for tracked in self._tracked.values()]
     self._tracked = {}
     if deliveries:
@@ -449,4 +463,4 @@ def _settle(future: concurrent.futures.Future, result: Any) -> None:
 
 def _deliver_all(deliveries: list[tuple[Stream, Delta]]) -> None:
   for stream, delta in deliveries:
-    stream._deliver(delta)
+    stream.deliver(delta)
