@@ -18,6 +18,7 @@ import ml_collections
 from configs import model_table, scheduler
 from kvpage import memory_plan, model_shape, units
 from kvpage.device import backends
+from kvpage.host import routing
 
 DTYPES = tuple(units.DTYPES)
 
@@ -76,7 +77,9 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # A serve_bench run (`experiments.serve_bench.BenchSettings`, whose flags of the same
   # names set these): the executor, the workload (lengths as `N`, `uniform:LO:HI`,
   # `lognormal:MEDIAN:MAX` or `mix:FRACTION:LONG:SHORT`; a rate in requests/s or `inf`;
-  # or a `trace` / `lengths_csv` file), its seed, the warm-up, and the goodput SLOs.
+  # or a `trace` / `lengths_csv` file), its seed, the warm-up, and the goodput SLOs; and
+  # `replicas` > 1, a simulated fleet behind one door routed by `router`
+  # (`kvpage.host.routing`; the margins are prefix_affinity's).
   placeholder = ml_collections.config_dict.placeholder
   config.bench = ml_collections.ConfigDict(dict(
       executor="jax", num_requests=96, arrival_rate="40", arrival_process="poisson",
@@ -84,7 +87,9 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
       shared_prefix="", conversation="", trace=placeholder(str), lengths_csv=placeholder(str),
       checkpoint=placeholder(str), ignore_eos=True, max_tokens=0,
       eos_token_id=placeholder(int), seed=0, warmup=True, slo_ttft=placeholder(float),
-      slo_tpot=placeholder(float)))
+      slo_tpot=placeholder(float), replicas=1, router="kv_headroom",
+      router_margin_pages=routing.HEADROOM_MARGIN_PAGES,
+      router_margin_s=routing.WAIT_MARGIN_S))
   # How the streaming gateway (`python -m experiments.serve`) listens and answers
   # (`kvpage.serve.app.ServerConfig.from_config`); its flags of the same names set these.
   # `served_model_name` "" = the checkpoint's directory name, else the model's name;

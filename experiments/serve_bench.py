@@ -26,8 +26,10 @@ notebooks call it, so one cell of a sweep is exactly this run.
 
 import contextlib
 import dataclasses
+import json
 import math
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import ml_collections
 from absl import flags
@@ -36,10 +38,11 @@ from configs import base as configs_check
 from configs import hardware as hardware_lib
 from experiments import cli, progress
 from kvpage import build, metrics, model_shape, premises, sizing
-from kvpage.host import scheduler_config
+from kvpage.host import routing, scheduler_config
+from kvpage.host.engine import Engine
 from kvpage.memory_plan import MemoryPlan
 from kvpage.request import SamplingParams
-from kvpage.sim import capacity, replay, workload
+from kvpage.sim import capacity, fleet, replay, workload
 from models import hf, llama
 
 _CONFIG = cli.define_config("configs/tiny.py", "Model config file.")
@@ -93,6 +96,15 @@ _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache", "workdir/jax_cache", "Persistent XLA compilation cache ('' = off).")
 flags.DEFINE_float("slo_ttft", None, "TTFT SLO (s) for goodput.")
 flags.DEFINE_float("slo_tpot", None, "TPOT SLO (s) for goodput.")
+flags.DEFINE_integer("replicas", 1, "Simulated replicas (--executor=sim) behind one door, "
+                     "each an engine with its own pool and clock (kvpage.sim.fleet).")
+flags.DEFINE_enum("router", "kv_headroom", list(routing.POLICIES),
+                  "The fleet's routing policy (kvpage.host.routing).")
+flags.DEFINE_integer("router_margin_pages", routing.HEADROOM_MARGIN_PAGES,
+                     "prefix_affinity: how many pages less headroom than the best the "
+                     "replica holding the longest prefix may have.")
+flags.DEFINE_float("router_margin_s", routing.WAIT_MARGIN_S,
+                   "prefix_affinity: how much longer its forecast wait may be.")
 _PLOT = flags.DEFINE_bool("plot", False, "Draw the figures (serve_bench: timeline.png; sweep: "
                           "curves.png); needs the notebooks extra (matplotlib).")
 _SCHEDULER_FLAGS = cli.define_scheduler_shortcuts()
@@ -128,6 +140,10 @@ class BenchSettings:
   warmup: bool = True
   slo_ttft: float | None = None
   slo_tpot: float | None = None
+  replicas: int = 1
+  router: str = "kv_headroom"
+  router_margin_pages: int = routing.HEADROOM_MARGIN_PAGES
+  router_margin_s: float = routing.WAIT_MARGIN_S
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "BenchSettings":
@@ -149,9 +165,20 @@ class BenchSettings:
     if not 0 <= self.max_tokens <= workload.MAX_LENGTH:
       raise ValueError(f"--max_tokens must be in [0, {workload.MAX_LENGTH:,}], got "
                        f"{self.max_tokens}")
+    if not 1 <= self.replicas <= MAX_REPLICAS:
+      raise ValueError(f"--replicas must be in [1, {MAX_REPLICAS:,}], got {self.replicas}")
+    if self.replicas > 1 and self.executor != "sim":
+      raise ValueError("--replicas > 1 runs a simulated fleet: give --executor=sim "
+                       "(a fleet of real engines: python -m experiments.serve --replicas)")
+    if self.router not in routing.POLICIES:
+      raise ValueError(f"--router must be one of {', '.join(routing.POLICIES)}, got "
+                       f"{self.router!r}")
+    if self.router_margin_pages < 0 or not self.router_margin_s >= 0:
+      raise ValueError("--router_margin_pages and --router_margin_s must be >= 0")
 
 
 SETTINGS = tuple(field.name for field in dataclasses.fields(BenchSettings))
+MAX_REPLICAS = 1024  # a simulated fleet's bound (each replica is an engine in memory)
 
 
 def setting_path(key: str) -> str | None:
@@ -285,6 +312,11 @@ def run_bench(config: ml_collections.ConfigDict, *, show_progress: bool = True,
     served = ml_collections.ConfigDict(config.to_dict())
     served.model = hf.load_config(settings.checkpoint)
     trace = load_trace(served, settings)
+  if settings.replicas > 1:
+    summary, files = serve_fleet(config, hardware, trace, settings, show_progress=show_progress,
+                                 bars=bars)
+    files["trace.jsonl"] = workload.to_jsonl(trace)
+    return summary, files
   setup = cli.serving_engine(config, executor=settings.executor, hardware=hardware,
                              checkpoint=settings.checkpoint,
                              pages_needed=pages_needed(served, settings, trace))
@@ -343,22 +375,8 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
           bars: progress.Bars | None = None) -> tuple[dict, dict[str, str]]:
   """Replays `trace` through the engine; returns the summary and the files to write.
   Its progress bar joins `bars` if given (a sweep's display), else a display of its own."""
-  stop_ids = (() if settings.ignore_eos or settings.eos_token_id is None
-              else (settings.eos_token_id,))
-
-  def make_sampling(item: workload.TraceRequest) -> SamplingParams:
-    return SamplingParams(max_tokens=max(item.output_len, settings.max_tokens),
-                          seed=settings.seed, stop_token_ids=stop_ids,
-                          ignore_eos=settings.ignore_eos)
-
-  # With --max_tokens, a request asks for more than it uses: it ends after its own
-  # output length, with finish reason "stop", before the next step (as an EOS would).
-  lengths = {item.request_id: item.output_len for item in trace}
-
-  def stop_at_own_length() -> None:
-    for request in list(setup.engine.scheduler.running):
-      if request.num_output_tokens >= lengths.get(request.request_id, math.inf):
-        setup.engine.abort(request.request_id, "stop")
+  make_sampling = sampling_for(settings)
+  stop_at_own_length = own_length_stop(trace)
 
   executor = setup.engine.executor
   if settings.warmup:  # the simulator compiles nothing: its warm-up is a no-op
@@ -380,7 +398,7 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
 
     def on_step() -> None:
       if settings.max_tokens:
-        stop_at_own_length()
+        stop_at_own_length(setup.engine)
       stats = scheduler.stats()
       bar.update(stats["num_finished"] + stats["num_rejections"], f"kv {stats['kv_usage']:.0%}")
 
@@ -400,6 +418,88 @@ def serve(setup: build.ServingSetup, trace: list[workload.TraceRequest],
   summary = recorder.summary(record, settings.slo_ttft, settings.slo_tpot)
   summary["kv_waste"] = kv_waste(setup, recorder.request_rows())
   return summary, recorder.files(summary)
+
+
+def sampling_for(settings: BenchSettings) -> Callable[[workload.TraceRequest], SamplingParams]:
+  """Each trace request's sampling: its output length (or `max_tokens`, if more), the
+  run's seed, EOS unless ignored."""
+  stop_ids = (() if settings.ignore_eos or settings.eos_token_id is None
+              else (settings.eos_token_id,))
+
+  def make_sampling(item: workload.TraceRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=max(item.output_len, settings.max_tokens),
+                          seed=settings.seed, stop_token_ids=stop_ids,
+                          ignore_eos=settings.ignore_eos)
+  return make_sampling
+
+
+def own_length_stop(trace: list[workload.TraceRequest]) -> Callable[[Engine], None]:
+  """With --max_tokens, a request asks for more than it uses: this ends each running
+  request of an engine after its own output length, with finish reason "stop", before
+  the next step (as an EOS would). Request ids may carry a fleet's `@replica`."""
+  lengths = {item.request_id: item.output_len for item in trace}
+
+  def stop(engine: Engine) -> None:
+    for request in list(engine.scheduler.running):
+      own = lengths.get(request.request_id.split("@")[0], math.inf)
+      if request.num_output_tokens >= own:
+        engine.abort(request.request_id, "stop")
+  return stop
+
+
+def serve_fleet(config: ml_collections.ConfigDict, hardware: hardware_lib.HardwareSpec,
+                trace: list[workload.TraceRequest], settings: BenchSettings, *,
+                show_progress: bool = True, bars: progress.Bars | None = None
+                ) -> tuple[dict, dict[str, str]]:
+  """Replays `trace` through a simulated fleet (`kvpage.sim.fleet`): `settings.replicas`
+  engines of `config`, each with its own pool and virtual clock, behind one door routed
+  by `settings.router`. Returns the fleet's summary and files: `requests.jsonl` (one
+  row per arrival, with the replica that served it), `steps.jsonl` (every replica's
+  steps, each with its replica), `summary.json`."""
+  setups = {f"r{i}": cli.serving_engine(config, executor="sim", hardware=hardware)
+            for i in range(settings.replicas)}
+  engines = {name: setup.engine for name, setup in setups.items()}
+  recorders = {name: metrics.MetricsRecorder(
+      engine.scheduler, engine.clock, step_shape=engine.executor.step_shape,
+      traits=engine.executor.traits, step_parts=engine.executor.step_parts)
+      for name, engine in engines.items()}
+  stop_at_own_length = own_length_stop(trace)
+  finished = [0]
+  with contextlib.ExitStack() as stack:
+    if bars is None:
+      bars = stack.enter_context(progress.Bars(enabled=show_progress))
+    bar = bars.add(f"serve_bench[fleet x{settings.replicas}]", len(trace))
+    stack.callback(bar.remove)
+    for name, engine in engines.items():
+      def on_step(output: Any, new_tokens: dict, done: list, name: str = name,
+                  engine: Engine = engine) -> None:
+        recorders[name].on_step(output, new_tokens, done)
+        if settings.max_tokens:
+          stop_at_own_length(engine)
+        finished[0] += len(done)
+        bar.update(finished[0])
+      engine.on_step = on_step
+    router = routing.Router(settings.router, seed=settings.seed,
+                            headroom_margin_pages=settings.router_margin_pages,
+                            wait_margin_s=settings.router_margin_s)
+    arrivals = fleet.replay_fleet(engines, router, trace, make_sampling=sampling_for(settings))
+  setup = next(iter(setups.values()))
+  record = dict(
+      executor="sim", model=setup.config.model.to_dict(), dtype=setup.config.model.dtype,
+      hardware=setup.hardware_record, num_pages=setup.num_pages, pool_reason=setup.pool_reason,
+      memory_plan=setup.memory_plan and setup.memory_plan.to_dict(),
+      page_size=setup.config.cache.page_size, policies=setup.config.scheduler.to_dict(),
+      seed=settings.seed, workload=workload_record(settings, trace),
+      fleet=dict(replicas=settings.replicas, router=settings.router,
+                 router_margin_pages=settings.router_margin_pages,
+                 router_margin_s=settings.router_margin_s,
+                 refresh_s=fleet.REFRESH_S),
+      checkpoint=None, warmup=False, compiles_during_run=0, **premises.environment())
+  summary, rows, steps = fleet.summarize(arrivals, recorders, record, settings.slo_ttft,
+                                         settings.slo_tpot)
+  return summary, {"requests.jsonl": "".join(json.dumps(row) + "\n" for row in rows),
+                   "steps.jsonl": "".join(json.dumps(row) + "\n" for row in steps),
+                   "summary.json": json.dumps(summary, indent=2)}
 
 
 def _ms(value: float | None) -> str:
@@ -456,8 +556,12 @@ def _slo_line(slo: dict) -> str:
 
 
 def format_summary(summary: dict) -> str:
+  """The run's summary as the command prints it (a fleet's: `_fleet_lines`)."""
   p = summary["premises"]
   w = p["workload"]
+  fleet_run = p.get("fleet")
+  pages = (f"{p['num_pages']:,} pages x {p['page_size']} tokens per replica" if fleet_run
+           else f"{summary['pages_total']:,} pages x {p['page_size']} tokens")
   lines = [
       f"kvpage serve_bench: {p['executor']} executor, model {p['model']['name']} "
       f"({p['dtype']}), hardware {p['hardware']['name']}",
@@ -476,8 +580,11 @@ def format_summary(summary: dict) -> str:
       f"watermark={p['policies']['watermark']} max_waiting={p['policies']['max_waiting']} "
       f"decode_steps={p['policies'].get('num_decode_steps', 1)}",
       *([f"  kernels   {cli.backends_line(p['backends'])}"] if p.get("backends") else []),
-      f"  cache     {summary['pages_total']:,} pages x {p['page_size']} tokens"
-      + (f" ({p['pool_reason']})" if p.get("pool_reason") else ""),
+      *([f"  fleet     {fleet_run['replicas']} replicas routed by {fleet_run['router']}"
+         + (f" (margins {fleet_run['router_margin_pages']} pages, "
+            f"{fleet_run['router_margin_s']:g} s)" if fleet_run["router"] == "prefix_affinity"
+            else "")] if fleet_run else []),
+      f"  cache     {pages}" + (f" ({p['pool_reason']})" if p.get("pool_reason") else ""),
       *[f"  {'memory' if i == 0 else '':<9} {line}" for i, line in enumerate(
           MemoryPlan.from_dict(p["memory_plan"]).lines() if p.get("memory_plan") else [])],
       *([f"  steps     tensor parallel {p['hardware']['tensor_parallel']}, priced by "
@@ -487,12 +594,12 @@ def format_summary(summary: dict) -> str:
         if "step_rates_source" not in p["hardware"]
         and p["hardware"].get("tensor_parallel", 1) > 1 else []),
       "",
-      f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
-      f"  rejections               {_counts(summary['rejections'], 'HTTP ')}",
-      f"  preemptions              {summary['num_preemptions']}"
-      + (f" ({_counts(summary['preemptions'])})" if summary["num_preemptions"] else ""),
-      f"  max KV usage             {summary['max_kv_usage']:.1%} "
-      f"(free pages at end {summary['pages_free_at_end']:,})",
+  ]
+  return "\n".join(lines + (_fleet_lines(summary) if fleet_run else _engine_lines(summary)))
+
+
+def _latency_lines(summary: dict) -> list[str]:
+  return [
       f"  queue wait  p50 / p99    {_ms(summary['queue_wait_s']['p50'])} / "
       f"{_ms(summary['queue_wait_s']['p99'])}",
       f"  TTFT        p50 / p99    {_ms(summary['ttft_s']['p50'])} / "
@@ -501,9 +608,45 @@ def format_summary(summary: dict) -> str:
       f"{_ms(summary['tpot_s']['p99'])}",
       f"  throughput               {summary['prompt_tokens_per_s']:,.0f} prompt tok/s, "
       f"{summary['output_tokens_per_s']:,.0f} generated tok/s over {summary['duration_s']:.2f} s",
+  ]
+
+
+def _goodput_line(summary: dict) -> str:
+  return (f"  goodput                  {summary['goodput_requests_per_s']:.2f} req/s "
+          f"({summary['goodput_fraction']:.0%} of requests; {_slo_line(summary['slo'])})")
+
+
+def _fleet_lines(summary: dict) -> list[str]:
+  """A simulated fleet's figures (`kvpage.sim.fleet.summarize`)."""
+  imbalance = summary["pool_imbalance_over_time"]
+  hit = summary["prefix_hit_rate"]
+  return [
+      f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
+      f"  refused by every replica {_counts(summary['rejections'], 'HTTP ') }",
+      f"  door retries             {summary['door_retries']:,} (replicas asked after a "
+      "refusal, for the admitted)",
+      f"  preemptions              {summary['num_preemptions']}",
+      f"  KV usage                 peak {summary['max_kv_usage']:.1%}; fullest over mean pool "
+      + ("n/a" if imbalance is None else f"{imbalance:.2f} on average over time")
+      + (f", peaks {summary['pool_peak_imbalance']:.2f}"
+         if summary["pool_peak_imbalance"] else ""),
+      *_latency_lines(summary), _goodput_line(summary),
+      "  prefix cache             " + ("off" if hit is None else f"hit rate {hit:.1%}"),
+  ]
+
+
+def _engine_lines(summary: dict) -> list[str]:
+  """One engine's figures (`kvpage.metrics.MetricsRecorder.summary`)."""
+  lines = [
+      f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
+      f"  rejections               {_counts(summary['rejections'], 'HTTP ')}",
+      f"  preemptions              {summary['num_preemptions']}"
+      + (f" ({_counts(summary['preemptions'])})" if summary["num_preemptions"] else ""),
+      f"  max KV usage             {summary['max_kv_usage']:.1%} "
+      f"(free pages at end {summary['pages_free_at_end']:,})",
+      *_latency_lines(summary),
       f"  running batch            {_batch_line(summary.get('running_batch') or {})}",
-      f"  goodput                  {summary['goodput_requests_per_s']:.2f} req/s "
-      f"({summary['goodput_fraction']:.0%} of requests; {_slo_line(summary['slo'])})",
+      _goodput_line(summary),
       f"  prefill computed         {summary['prefill_tokens_computed']:,} tokens"
       + _prefix_line(summary.get("prefix_cache", {})),
   ]
@@ -514,7 +657,7 @@ def format_summary(summary: dict) -> str:
         f"{waste['contiguous_waste']:.1%} reserving {waste['max_len']:,} tokens each: "
         f"{waste['paged_reserved_bytes'] / 2**20:,.1f} vs "
         f"{waste['contiguous_reserved_bytes'] / 2**20:,.1f} MiB for the finished requests")
-  return "\n".join(lines)
+  return lines
 
 
 if __name__ == "__main__":

@@ -281,32 +281,18 @@ class MetricsRecorder:
     batch (`running_batch`), premises."""
     rows = self.request_rows()
     stats = self.scheduler.stats()
-    done = [r for r in rows if r["status"] == RequestStatus.FINISHED.value
-            and r["finish_reason"] in ("length", "stop")]
     end = self.clock() - self.start_time
-    duration = max(end, 1e-9)
-    good = [r for r in done if (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)
-            and (slo_tpot_s is None or r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s)]
     rejections = {str(k): v for k, v in stats["rejections"].items()}
-    offered_tokens = sum(r["prompt_tokens"] for r in rows)
     computed = sum(s["prompt_tokens"] for s in self.steps)
     hits = stats.get("prefix_hit_tokens", 0)
     return dict(
-        num_requests=len(rows), num_admitted=stats["num_admitted"], num_finished=len(done),
-        num_aborted=sum(r["finish_reason"] in ("aborted", "preempted") for r in rows),
+        num_requests=len(rows), num_admitted=stats["num_admitted"],
         rejections=rejections, num_rejected=sum(rejections.values()),
         num_preemptions=stats["num_preemptions"],
         preemptions={str(k): v for k, v in stats["preemptions"].items()},
         max_kv_usage=max((s["kv_usage"] for s in self.steps), default=0.0),
         pages_total=stats["num_usable_pages"], pages_free_at_end=stats["num_free_pages"],
         num_steps=len(self.steps), duration_s=end, running_batch=running_batch(self.steps),
-        queue_wait_s=percentiles([r["queue_wait_s"] for r in done]),
-        ttft_s=percentiles([r["ttft_s"] for r in done]),
-        tpot_s=percentiles([r["tpot_s"] for r in done if r["tpot_s"] is not None]),
-        itl_s=percentiles([gap for r in done for gap in r["itl_s"]]),
-        e2e_s=percentiles([r["e2e_s"] for r in done]),
-        prompt_tokens_per_s=sum(r["prompt_tokens"] for r in done) / duration,
-        output_tokens_per_s=sum(r["output_tokens"] for r in done) / duration,
         prefill_tokens_computed=computed,
         # Prefill computed again after recompute preemptions: beyond each scheduled
         # request's prompt (computed once, or found in the prefix cache), what was thrown
@@ -314,13 +300,7 @@ class MetricsRecorder:
         recomputed_tokens=max(0, computed + hits - sum(r["prompt_tokens"] for r in rows
                                                        if r["queue_wait_s"] is not None)),
         prefix_cache=_prefix_summary(stats),
-        slo=dict(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s),
-        goodput_requests_per_s=len(good) / duration,
-        goodput_fraction=len(good) / len(rows) if rows else 0.0,
-        goodput_token_fraction=(sum(r["prompt_tokens"] for r in good) / offered_tokens
-                                if offered_tokens else 0.0),
-        by_prompt_length=by_prompt_length(rows, done, good),
-        failed_requests=failed_requests(rows), premises=premises)
+        **request_summary(rows, end, slo_ttft_s, slo_tpot_s), premises=premises)
 
   def files(self, summary: dict[str, Any]) -> dict[str, str]:
     """`steps.jsonl`, `requests.jsonl` and `summary.json`, by name, as text."""
@@ -334,6 +314,39 @@ class MetricsRecorder:
     workdir.mkdir(parents=True, exist_ok=True)
     for name, text in self.files(summary).items():
       (workdir / name).write_text(text)
+
+
+def request_summary(rows: Sequence[dict[str, Any]], duration_s: float,
+                    slo_ttft_s: float | None = None,
+                    slo_tpot_s: float | None = None) -> dict[str, Any]:
+  """What the request rows (`MetricsRecorder.request_row`) of a run of `duration_s` say:
+  finished and aborted counts, latency percentiles of the finished, throughput, goodput
+  under the SLOs (a finished request within both; the rest count against it), by prompt
+  length, and the running requests that failed. One engine's summary and a fleet's
+  share it."""
+  done = [r for r in rows if r["status"] == RequestStatus.FINISHED.value
+          and r["finish_reason"] in ("length", "stop")]
+  duration = max(duration_s, 1e-9)
+  good = [r for r in done if (slo_ttft_s is None or r["ttft_s"] <= slo_ttft_s)
+          and (slo_tpot_s is None or r["tpot_s"] is None or r["tpot_s"] <= slo_tpot_s)]
+  offered_tokens = sum(r["prompt_tokens"] for r in rows)
+  return dict(
+      num_finished=len(done),
+      num_aborted=sum(r["finish_reason"] in ("aborted", "preempted") for r in rows),
+      queue_wait_s=percentiles([r["queue_wait_s"] for r in done]),
+      ttft_s=percentiles([r["ttft_s"] for r in done]),
+      tpot_s=percentiles([r["tpot_s"] for r in done if r["tpot_s"] is not None]),
+      itl_s=percentiles([gap for r in done for gap in r["itl_s"]]),
+      e2e_s=percentiles([r["e2e_s"] for r in done]),
+      prompt_tokens_per_s=sum(r["prompt_tokens"] for r in done) / duration,
+      output_tokens_per_s=sum(r["output_tokens"] for r in done) / duration,
+      slo=dict(ttft_s=slo_ttft_s, tpot_s=slo_tpot_s),
+      goodput_requests_per_s=len(good) / duration,
+      goodput_fraction=len(good) / len(rows) if rows else 0.0,
+      goodput_token_fraction=(sum(r["prompt_tokens"] for r in good) / offered_tokens
+                              if offered_tokens else 0.0),
+      by_prompt_length=by_prompt_length(rows, done, good),
+      failed_requests=failed_requests(rows))
 
 
 def by_prompt_length(rows: Sequence[dict[str, Any]], done: Sequence[dict[str, Any]],

@@ -256,6 +256,25 @@ def test_killed_replica_ends_its_streams_others_finish_and_it_comes_back(fleet):
   assert [_post(fleet, SMALL).status_code for _ in range(4)] == [200] * 4
 
 
+def test_sigterm_drains_the_fleet(fleet):
+  """The last test of the module's fleet: SIGTERM drains the door as the single server
+  drains (new requests 503 `draining`, live ones finish), then the replicas and the
+  local cluster stop (the fixture checks that no replica outlives the command)."""
+  held = _Held(fleet, LONG)
+  assert held.started.wait(30) and held.status == 200
+  fleet.process.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + 10
+  while True:
+    late = _post(fleet, SMALL)
+    if late.status_code == 503:
+      break
+    assert late.status_code == 200 and time.monotonic() < deadline, late.text
+    time.sleep(0.05)
+  assert late.json()["error"]["code"] == "draining"
+  assert held.join().finish == "length"
+  assert fleet.process.wait(60) == 0
+
+
 def test_real_model_replica_smoke(tmp_path_factory, cache_dir):
   """One replica serving the tiny text model: text in, text out, streamed as whole."""
   checkpoint = make_served_checkpoint(tmp_path_factory.mktemp("served"))

@@ -67,6 +67,19 @@ def test_a_prompt_no_replica_can_take_is_refused_before_anything_runs():
     assert engine.executor.num_launches == 0
 
 
+def test_a_prompt_one_replica_refuses_goes_to_the_next():
+  """The door of `kvpage.host.routing`: round robin offers the first prompt to replica 0,
+  whose pool is too small for it; replica 1 takes it."""
+  small, large = fake_engine(num_pages=8, page_size=4), fake_engine(num_pages=64, page_size=4)
+  replicas = Replicas([small, large], policy="round_robin")
+  requests = replicas.generate([[1] * 60, [2, 3]], SamplingParams(max_tokens=4))
+  assert [r.num_output_tokens for r in requests] == [4, 4]
+  assert large.scheduler.stats()["num_admitted"] == 2  # (the second: its turn came first)
+  assert sum(small.scheduler.stats()["rejections"].values()) == 1
+  with pytest.raises(ValueError, match="unknown routing policy"):
+    Replicas([small, large], policy="fastest")
+
+
 class FailingExecutor(FakeExecutor):
   def submit(self, output):
     raise RuntimeError("device lost")

@@ -114,3 +114,56 @@ def test_the_fleet_benchmark_runs_and_records_its_premises(tmp_path):
   assert all(r["served"] + r["refused"] == 16 for r in record["rows"])
   assert record["premises"]["replicas"] == 2 and record["premises"]["context"] == 16384
   assert "wall s" in done.stdout
+
+
+def test_summarize_counts_the_door_and_the_pools():
+  """`fleet.summarize` over a run with refusals: one row per arrival, the served with
+  their replica, the refused with the fleet's answer; the pools' imbalance at least 1."""
+  from kvpage import metrics
+
+  engines = fleet_of(3, num_pages=160)
+  recorders = {}
+  for name, engine in engines.items():
+    recorders[name] = metrics.MetricsRecorder(engine.scheduler, engine.clock)
+    engine.on_step = recorders[name].on_step
+  arrivals = fleet.replay_fleet(engines, Router("round_robin"), trace(rate=200.0),
+                                make_sampling=sampling)
+  summary, rows, steps = fleet.summarize(arrivals, recorders, {"note": "test"},
+                                         slo_ttft_s=10.0)
+  assert [row["request_id"] for row in rows] == [a.item.request_id for a in arrivals]
+  served = [row for row in rows if row["replica"] is not None]
+  refused = [row for row in rows if row["replica"] is None]
+  assert refused and served, "the run must have both to test both"
+  assert summary["num_rejected"] == len(refused) == sum(summary["rejections"].values())
+  assert all(row["status"] == RequestStatus.REJECTED.value and row["rejected_status"] in
+             (429, 503) and row["replicas_asked"] == 3 for row in refused)
+  assert summary["num_finished"] == len(served) == summary["num_admitted"]
+  assert summary["door_retries"] == sum(row["replicas_asked"] - 1 for row in served)
+  assert summary["pool_imbalance_over_time"] >= 1 and summary["pool_peak_imbalance"] >= 1
+  assert set(summary["peak_kv_usage"]) == set(engines)
+  assert len(steps) == sum(len(r.steps) for r in recorders.values())
+  assert summary["premises"] == {"note": "test"}
+
+
+def test_serve_bench_runs_a_simulated_fleet(tmp_path):
+  root = pathlib.Path(__file__).resolve().parents[1]
+  done = subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", "--executor=sim",
+       "--config=configs/llama_13b.py", "--replicas=4", "--router=prefix_affinity",
+       "--num_requests=80", "--arrival_rate=40", "--prompt_len=200",
+       "--output_len=uniform:16:64", "--shared_prefix=512:2",
+       "--config.cache.prefix_caching=true", f"--workdir={tmp_path}"],
+      cwd=root, capture_output=True, text=True, timeout=300)
+  assert done.returncode == 0, done.stderr
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["replicas"] == 4 and summary["premises"]["fleet"]["router"] == "prefix_affinity"
+  assert summary["num_finished"] == 80 and summary["prefix_hit_rate"] > 0.5
+  rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+  assert len(rows) == 80 and {row["replica"] for row in rows} <= {"r0", "r1", "r2", "r3"}
+  assert "4 replicas routed by prefix_affinity" in done.stdout
+  refused = subprocess.run(
+      [sys.executable, "-m", "experiments.serve_bench", "--replicas=2",
+       f"--workdir={tmp_path}/jax"], cwd=root, capture_output=True, text=True, timeout=300)
+  assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+      "error: --replicas > 1 runs a simulated fleet: give --executor=sim (a fleet of real "
+      "engines: python -m experiments.serve --replicas)"]

@@ -2,10 +2,12 @@
 
 `Replicas` holds `n` engines (each a scheduler, a page pool and an executor of its own,
 usually over the same weights) and runs a batch of prompts through all of them at once,
-one Python thread per engine. Each prompt goes to the engine with the fewest KV pages
-already promised: the pages its prompt and its `max_tokens` can fill, the unit the pools
-are sized in. A request never moves: its pages live in its engine's pool, and each
-engine schedules, preempts and admits within its own memory line.
+one Python thread per engine. It is the fleet's door in one process: the engines are
+ranked by a routing policy of `kvpage.host.routing` (`kv_headroom` by default: the most
+room above its KV line after the pages its prompt and `max_tokens` can fill and the
+pages already sent to it), and a prompt refused by one engine is offered to the next.
+A request never moves: its pages live in its engine's pool, and each engine schedules,
+preempts and admits within its own memory line.
 
 Why on a CPU: one engine's step leaves cores idle for part of every decode step:
 XLA:CPU runs a step's elementwise operations (and, without the CPU linear kernel, its
@@ -18,7 +20,8 @@ the GIL while it computes; the engines' host work still takes turns on it.
 The price is memory's granularity: each engine's pool is its own, so a request can use
 only its engine's pages, and one long request cannot borrow another engine's free ones.
 `generate` admits every prompt (on its engine) before any engine steps, so a prompt that
-cannot fit is refused up front, with its index in the caller's list, and nothing runs.
+no engine takes is refused up front, with its index in the caller's list, and nothing
+runs.
 Host side: never imports jax.
 """
 
@@ -26,14 +29,16 @@ import itertools
 import threading
 from collections.abc import Sequence
 
+from kvpage.host import routing
 from kvpage.host.engine import Engine
+from kvpage.interface import Admission
 from kvpage.request import Request, SamplingParams
 
 
 class Replicas:
-  """Engines stepped concurrently, one thread each; prompts spread by KV pages promised."""
+  """Engines stepped concurrently, one thread each; prompts routed by `policy`."""
 
-  def __init__(self, engines: Sequence[Engine]):
+  def __init__(self, engines: Sequence[Engine], policy: str = "kv_headroom"):
     engines = list(engines)
     if not engines:
       raise ValueError("Replicas needs at least one engine")
@@ -41,19 +46,29 @@ class Replicas:
       raise ValueError("Replicas needs distinct engines: one engine listed twice would "
                        "be stepped from two threads at once")
     self.engines = engines
+    self.policy = policy
+    routing.Router(policy)  # an unknown policy fails here
     self._ids = itertools.count()  # request ids unique across the engines
+
+  def _router(self) -> routing.Router:
+    """A router over a snapshot of every engine now (what is sent next it counts)."""
+    router = routing.Router(self.policy)
+    router.update([routing.replica_stats(str(index), engine.scheduler)
+                   for index, engine in enumerate(self.engines)])
+    return router
 
   def assign(self, prompts: Sequence[Sequence[int]],
              samplings: Sequence[SamplingParams]) -> list[int]:
-    """The engine each prompt goes to: the one with the fewest pages promised so far,
-    counting the pages each prompt's tokens plus its `max_tokens` fill (first on ties)."""
-    promised = [0] * len(self.engines)
+    """The engine each prompt would go to if each admitted it: the one the policy ranks
+    first, counting what was sent before (with `kv_headroom` on equal pools: the fewest
+    pages promised, its prompt's tokens plus its `max_tokens`; the first on ties)."""
+    router = self._router()
     placement = []
     for prompt, sampling in zip(prompts, samplings, strict=True):
-      target = min(range(len(self.engines)), key=promised.__getitem__)
-      pool = self.engines[target].scheduler.page_pool
-      promised[target] += pool.pages_for(len(prompt) + sampling.max_tokens)
-      placement.append(target)
+      wanted = routing.RouteRequest(len(prompt), sampling.max_tokens)
+      target = router.rank(wanted)[0]
+      router.sent(target, wanted)
+      placement.append(int(target))
     return placement
 
   def generate(self, prompts: Sequence[Sequence[int]],
@@ -66,17 +81,29 @@ class Replicas:
                  else list(sampling))
     if len(samplings) != len(prompts):
       raise ValueError(f"{len(prompts)} prompts but {len(samplings)} sampling params")
-    placement = self.assign(prompts, samplings)
+    router = self._router()
     requests: list[Request] = []
-    for index, (prompt, params, target) in enumerate(zip(prompts, samplings, placement)):
-      request, answer = self.engines[target].add_request(
-          prompt, params, request_id=f"req-{next(self._ids)}")
-      if not answer.admitted:
+    placement: list[int] = []
+    for index, (prompt, params) in enumerate(zip(prompts, samplings)):
+      made: dict[str, Request] = {}
+      request_id = f"req-{next(self._ids)}"
+
+      def admit(name: str, prompt: Sequence[int] = prompt, params: SamplingParams = params,
+                request_id: str = request_id, made: dict[str, Request] = made) -> Admission:
+        made[name], answer = self.engines[int(name)].add_request(prompt, params,
+                                                                 request_id=request_id)
+        return answer
+
+      routed = routing.route(router, routing.RouteRequest(len(prompt), params.max_tokens),
+                             admit)
+      if routed.replica_id is None:
         for admitted, engine in zip(requests, placement):
           self.engines[engine].abort(admitted.request_id)
-        raise ValueError(f"prompt {index} rejected by replica {target} "
-                         f"({answer.status}): {answer.reason}")
-      requests.append(request)
+        last, answer = routed.tried[-1]
+        raise ValueError(f"prompt {index} rejected by replica {last} ({answer.status}): "
+                         f"{answer.reason}")
+      requests.append(made[routed.replica_id])
+      placement.append(int(routed.replica_id))
     errors: list[BaseException | None] = [None] * len(self.engines)
 
     def run(index: int) -> None:

@@ -46,6 +46,11 @@ if TYPE_CHECKING:
   from kvpage.host.scheduler import Scheduler
 
 POLICIES = ("round_robin", "least_requests", "kv_headroom", "prefix_affinity")
+# prefix_affinity's default margins in a fleet (serve --replicas, serve_bench): the
+# replica holding the longest prefix may have up to 256 pages less headroom (4,096
+# tokens of 16) and a forecast wait up to 1 s longer than the best replica.
+HEADROOM_MARGIN_PAGES = 256
+WAIT_MARGIN_S = 1.0
 # 400s that are the request's own fault on every replica of a fleet serving one model
 # (others, such as a prompt too big for one replica's pool, send it on to the next).
 REQUEST_FAULTS = ("empty_prompt", "invalid_token_ids", "context_length_exceeded")

@@ -454,7 +454,8 @@ async def _call(method: Any, *args: Any, timeout_s: float = CALL_TIMEOUT_S,
 
 def start_fleet(recipe: Callable[[], ReplicaParts], *, num_replicas: int,
                 policy: str = "kv_headroom", name: str = "kvpage", seed: int = 0,
-                headroom_margin_pages: int = 0, wait_margin_s: float = 0.0,
+                headroom_margin_pages: int = routing.HEADROOM_MARGIN_PAGES,
+                wait_margin_s: float = routing.WAIT_MARGIN_S,
                 ray_address: str | None = None, num_cpus: int | None = None,
                 gpus_per_replica: float | None = None, devices_per_replica: int = 1,
                 startup_timeout_s: float = 600.0) -> Fleet:

@@ -17,28 +17,37 @@ import dataclasses
 import heapq
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 from kvpage.clock import VirtualClock
 from kvpage.host.engine import MAX_IDLE_STEPS, Engine
 from kvpage.host.routing import Routed, Router, RouteRequest, prompt_hashes, replica_stats, route
+from kvpage.metrics import MetricsRecorder, request_summary
 from kvpage.request import Request, SamplingParams
 from kvpage.sim.workload import TraceRequest
+
+REFRESH_S = 0.1  # how often, in simulated seconds, the router's snapshots are refreshed
+IMBALANCE_SAMPLES = 200  # points in time at which `summarize` compares the pools
 
 
 @dataclasses.dataclass
 class FleetRequest:
-  """One arrival at the fleet's door: where it went (None: every replica refused) and
-  the request there (its events hold its latencies)."""
+  """One arrival at the fleet's door: where it went (None: every replica refused), the
+  request there (its events hold its latencies), and the request made at each replica
+  asked (the refused ones end rejected)."""
 
   item: TraceRequest
   routed: Routed
   request: Request | None
+  asked: dict[str, Request] = dataclasses.field(default_factory=dict)
 
 
 def replay_fleet(engines: Mapping[str, Engine], router: Router,
                  trace: Sequence[TraceRequest], *,
                  make_sampling: Callable[[TraceRequest], SamplingParams],
-                 refresh_s: float = 0.1) -> list[FleetRequest]:
+                 refresh_s: float = REFRESH_S) -> list[FleetRequest]:
   """Runs `trace` through the fleet `engines` (each on a `VirtualClock` of its own) to
   the end; returns every arrival's outcome, in arrival order."""
   clocks = {name: engine.clock for name, engine in engines.items()}
@@ -95,4 +104,84 @@ def _arrive(engines: Mapping[str, Engine], router: Router, item: TraceRequest, n
   wanted = RouteRequest(len(item.prompt_ids), sampling.max_tokens,
                         prompt_hashes(item.prompt_ids, page_size))
   routed = route(router, wanted, admit)
-  return FleetRequest(item, routed, made.get(routed.replica_id) if routed.replica_id else None)
+  return FleetRequest(item, routed, made.get(routed.replica_id) if routed.replica_id else None,
+                      made)
+
+
+def summarize(arrivals: Sequence[FleetRequest], recorders: Mapping[str, MetricsRecorder],
+              premises: dict[str, Any], slo_ttft_s: float | None = None,
+              slo_tpot_s: float | None = None
+              ) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, Any]]]:
+  """A fleet run's summary, its request rows and its step rows, from each replica's
+  `MetricsRecorder` (history on, every clock starting at 0 with the trace).
+
+  A request's row is its replica's row of it (`MetricsRecorder.request_row`, with the
+  trace's id and a `replica` field); a request every replica refused gets the row of the
+  last replica asked, with the fleet's answer. Beside the figures one engine's summary
+  has (`kvpage.metrics.request_summary`): the door's retries (replicas asked after a
+  refusal, for the served), requests refused by every replica, each replica's peak KV
+  use, and how unevenly the pools fill: the peak over the mean of the replicas' peaks,
+  and over time (`_imbalance_over_time`)."""
+  rows = []
+  for arrival in arrivals:
+    name = arrival.routed.replica_id or arrival.routed.tried[-1][0]
+    request = arrival.request or arrival.asked[name]
+    row = recorders[name].request_row(request) | {
+        "request_id": arrival.item.request_id, "replica": arrival.routed.replica_id,
+        "replicas_asked": len(arrival.routed.tried)}
+    if arrival.request is None:
+      row.update(rejected_status=arrival.routed.answer.status,
+                 reject_reason=arrival.routed.answer.cause)
+    rows.append(row)
+  steps = [row | {"replica": name} for name, recorder in recorders.items()
+           for row in recorder.steps]
+  duration = max((recorder.clock() - recorder.start_time for recorder in recorders.values()),
+                 default=0.0)
+  peaks = {name: max((row["kv_usage"] for row in recorder.steps), default=0.0)
+           for name, recorder in recorders.items()}
+  refused = [row for row in rows if row["replica"] is None]
+  rejections: dict[str, int] = {}
+  for row in refused:
+    key = str(row["rejected_status"])
+    rejections[key] = rejections.get(key, 0) + 1
+  stats = [recorder.scheduler.stats() for recorder in recorders.values()]
+  queried = sum(s.get("prefix_query_tokens", 0) for s in stats)
+  mean_peak = float(np.mean(list(peaks.values()))) if peaks else 0.0
+  summary = dict(
+      num_requests=len(rows), num_admitted=len(rows) - len(refused),
+      rejections=rejections, num_rejected=len(refused),
+      door_retries=sum(row["replicas_asked"] - 1 for row in rows if row["replica"]),
+      num_preemptions=sum(s["num_preemptions"] for s in stats), duration_s=duration,
+      replicas=len(recorders), max_kv_usage=max(peaks.values(), default=0.0),
+      peak_kv_usage=peaks,
+      pool_peak_imbalance=max(peaks.values()) / mean_peak if mean_peak else None,
+      pool_imbalance_over_time=_imbalance_over_time(recorders, duration),
+      prefix_hit_rate=(sum(s.get("prefix_hit_tokens", 0) for s in stats) / queried
+                       if queried else None),
+      **request_summary(rows, duration, slo_ttft_s, slo_tpot_s), premises=premises)
+  return summary, rows, steps
+
+
+def _imbalance_over_time(recorders: Mapping[str, MetricsRecorder],
+                         duration: float) -> float | None:
+  """How unevenly the pools fill over the run: the fullest pool's KV use averaged over
+  `IMBALANCE_SAMPLES` instants, over the mean pool's averaged over the same instants
+  (each pool's use held from step to step). 1: every pool as full as the others at
+  every instant; N replicas with one of them doing all the work: N. A ratio of the
+  averages, so the nearly idle moments at the run's ends, where one busy pool among idle
+  ones reads as N, weigh as little as the pages they hold."""
+  if duration <= 0 or not recorders:
+    return None
+  instants = np.linspace(0.0, duration, IMBALANCE_SAMPLES)
+  usage = []
+  for recorder in recorders.values():
+    times = np.array([row["time"] for row in recorder.steps])
+    values = np.array([row["kv_usage"] for row in recorder.steps])
+    if not len(times):
+      usage.append(np.zeros_like(instants))
+      continue
+    index = np.searchsorted(times, instants, side="right") - 1
+    usage.append(np.where(index >= 0, values[np.maximum(index, 0)], 0.0))
+  table = np.stack(usage)  # replicas x instants
+  mean = table.mean(axis=0).mean()
+  return float(table.max(axis=0).mean() / mean) if mean > 0 else None
