@@ -367,7 +367,11 @@ class FleetMetrics:
     self._replica_texts: dict[str, bytes] = {}
     self.registry.register(_ReplicaSeries(self))
 
+  def rejected(self, status: int) -> None:
+    self.rejections.labels(self._model_name, str(status)).inc()
+
   def render(self, replica_texts: dict[str, bytes]) -> bytes:
+    """The exposition: the door's series, and each of `replica_texts` (by replica id)."""
     self._replica_texts = replica_texts
     try:
       return prom.generate_latest(self.registry)
@@ -533,7 +537,7 @@ class FleetBackend:
     return FleetLoop(self.fleet, loop, self.metrics)
 
   def rejected(self, status: int) -> None:
-    self.metrics.rejections.labels(self.metrics._model_name, str(status)).inc()
+    self.metrics.rejected(status)
 
   async def render_metrics(self) -> bytes:
     names = list(self.fleet.view.live)
@@ -619,6 +623,9 @@ class FleetLoop:
         call.cancel()
         log.warning("a replica failed to answer an admission call: %s", error)
         continue
+      except asyncio.CancelledError:  # the client went away: whatever it admitted, aborted
+        call.cancel()
+        raise
       if answer == REPEAT:  # every live replica asked (a new one may not be in our view)
         call.cancel()
         skipped.add(replica_id)
