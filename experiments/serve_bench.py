@@ -453,12 +453,16 @@ def serve_fleet(config: ml_collections.ConfigDict, hardware: hardware_lib.Hardwa
                 ) -> tuple[dict, dict[str, str]]:
   """Replays `trace` through a simulated fleet (`kvpage.sim.fleet`): `settings.replicas`
   engines of `config`, each with its own pool and virtual clock, behind one door routed
-  by `settings.router`. Returns the fleet's summary and files: `requests.jsonl` (one
+  by `settings.router`, each priced before the first request with `settings.warmup`,
+  as a server's replica is. Returns the fleet's summary and files: `requests.jsonl` (one
   row per arrival, with the replica that served it), `steps.jsonl` (every replica's
   steps, each with its replica), `summary.json`."""
   setups = {f"r{i}": cli.serving_engine(config, executor="sim", hardware=hardware)
             for i in range(settings.replicas)}
   engines = {name: setup.engine for name, setup in setups.items()}
+  if settings.warmup:  # each replica's forecast priced before its first request, as a
+    for engine in engines.values():  # server's replica is (the forecast lines need it)
+      engine.price_steps()
   recorders = {name: metrics.MetricsRecorder(
       engine.scheduler, engine.clock, step_shape=engine.executor.step_shape,
       traits=engine.executor.traits, step_parts=engine.executor.step_parts)
@@ -494,7 +498,7 @@ def serve_fleet(config: ml_collections.ConfigDict, hardware: hardware_lib.Hardwa
                  router_margin_pages=settings.router_margin_pages,
                  router_margin_s=settings.router_margin_s,
                  refresh_s=fleet.REFRESH_S),
-      checkpoint=None, warmup=False, compiles_during_run=0, **premises.environment())
+      checkpoint=None, warmup=settings.warmup, compiles_during_run=0, **premises.environment())
   summary, rows, steps = fleet.summarize(arrivals, recorders, record, settings.slo_ttft,
                                          settings.slo_tpot)
   return summary, {"requests.jsonl": "".join(json.dumps(row) + "\n" for row in rows),
@@ -623,8 +627,9 @@ def _fleet_lines(summary: dict) -> list[str]:
   return [
       f"  admitted / finished      {summary['num_admitted']} / {summary['num_finished']}",
       f"  refused by every replica {_counts(summary['rejections'], 'HTTP ') }",
-      f"  door retries             {summary['door_retries']:,} (replicas asked after a "
-      "refusal, for the admitted)",
+      f"  door retries             {summary['door_retries']:,} replicas asked after a "
+      f"refusal; {summary['refused_while_room']:,} requests refused by one replica while "
+      "another had room",
       f"  preemptions              {summary['num_preemptions']}",
       f"  KV usage                 peak {summary['max_kv_usage']:.1%}; fullest over mean pool "
       + ("n/a" if imbalance is None else f"{imbalance:.2f} on average over time")

@@ -139,6 +139,10 @@ def test_summarize_counts_the_door_and_the_pools():
              (429, 503) and row["replicas_asked"] == 3 for row in refused)
   assert summary["num_finished"] == len(served) == summary["num_admitted"]
   assert summary["door_retries"] == sum(row["replicas_asked"] - 1 for row in served)
+  assert summary["refused_while_room"] == sum(row["replicas_asked"] > 1 for row in served)
+  assert summary["refused_while_room"] > 0  # round robin at this rate meets full pools
+  assert 0 <= summary["refused_with_kv_room"] <= summary["num_rejected"]
+  assert 0 < summary["kv_usage_mean"] <= summary["kv_usage_fullest"] <= 1
   assert summary["pool_imbalance_over_time"] >= 1 and summary["pool_peak_imbalance"] >= 1
   assert set(summary["peak_kv_usage"]) == set(engines)
   assert len(steps) == sum(len(r.steps) for r in recorders.values())

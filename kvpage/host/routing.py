@@ -54,6 +54,11 @@ WAIT_MARGIN_S = 1.0
 # 400s that are the request's own fault on every replica of a fleet serving one model
 # (others, such as a prompt too big for one replica's pool, send it on to the next).
 REQUEST_FAULTS = ("empty_prompt", "invalid_token_ids", "context_length_exceeded")
+# Refusals a replica gives only after its KV line admitted the request (the KV line
+# answers first, `kvpage.host.admission.AdmissionControl.decide`, then the scheduler's
+# forecast lines): a replica refusing for one of these had KV room for the request.
+AFTER_KV_LINE = ("token_budget", "concurrency_limit", "queue_full", "wait_forecast",
+                 "wait_deadline")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,15 @@ import numpy as np
 
 from kvpage.clock import VirtualClock
 from kvpage.host.engine import MAX_IDLE_STEPS, Engine
-from kvpage.host.routing import Routed, Router, RouteRequest, prompt_hashes, replica_stats, route
+from kvpage.host.routing import (
+    AFTER_KV_LINE,
+    Routed,
+    Router,
+    RouteRequest,
+    prompt_hashes,
+    replica_stats,
+    route,
+)
 from kvpage.metrics import MetricsRecorder, request_summary
 from kvpage.request import Request, SamplingParams
 from kvpage.sim.workload import TraceRequest
@@ -118,10 +126,17 @@ def summarize(arrivals: Sequence[FleetRequest], recorders: Mapping[str, MetricsR
   A request's row is its replica's row of it (`MetricsRecorder.request_row`, with the
   trace's id and a `replica` field); a request every replica refused gets the row of the
   last replica asked, with the fleet's answer. Beside the figures one engine's summary
-  has (`kvpage.metrics.request_summary`): the door's retries (replicas asked after a
-  refusal, for the served), requests refused by every replica, each replica's peak KV
-  use, and how unevenly the pools fill: the peak over the mean of the replicas' peaks,
-  and over time (`_imbalance_over_time`)."""
+  has (`kvpage.metrics.request_summary`):
+    * the door: requests every replica refused, by the fleet's status; its retries
+      (replicas asked after a refusal, for the served); `refused_while_room`, arrivals
+      a replica refused while another had room for them at that very moment (the door
+      asks every replica at one instant of simulated time and a refusal changes
+      nothing, so the replica that admitted had the room when the first refused: a
+      door without retries would have pushed each back); `refused_with_kv_room`,
+      arrivals every replica refused while some had KV room for them (it refused by a
+      line checked after the KV line, `routing.AFTER_KV_LINE`);
+    * the pools: each replica's peak KV use, the peak over the mean of the peaks, and
+      over time (`_pools_over_time`)."""
   rows = []
   for arrival in arrivals:
     name = arrival.routed.replica_id or arrival.routed.tried[-1][0]
@@ -147,41 +162,51 @@ def summarize(arrivals: Sequence[FleetRequest], recorders: Mapping[str, MetricsR
   stats = [recorder.scheduler.stats() for recorder in recorders.values()]
   queried = sum(s.get("prefix_query_tokens", 0) for s in stats)
   mean_peak = float(np.mean(list(peaks.values()))) if peaks else 0.0
+  routes = [arrival.routed for arrival in arrivals]
   summary = dict(
       num_requests=len(rows), num_admitted=len(rows) - len(refused),
       rejections=rejections, num_rejected=len(refused),
       door_retries=sum(row["replicas_asked"] - 1 for row in rows if row["replica"]),
+      refused_while_room=sum(len(r.tried) > 1 for r in routes if r.replica_id is not None),
+      refused_with_kv_room=sum(any(answer.cause in AFTER_KV_LINE for _, answer in r.tried)
+                               for r in routes if r.replica_id is None),
       num_preemptions=sum(s["num_preemptions"] for s in stats), duration_s=duration,
       replicas=len(recorders), max_kv_usage=max(peaks.values(), default=0.0),
       peak_kv_usage=peaks,
       pool_peak_imbalance=max(peaks.values()) / mean_peak if mean_peak else None,
-      pool_imbalance_over_time=_imbalance_over_time(recorders, duration),
+      **_pools_over_time(recorders, duration),
       prefix_hit_rate=(sum(s.get("prefix_hit_tokens", 0) for s in stats) / queried
                        if queried else None),
       **request_summary(rows, duration, slo_ttft_s, slo_tpot_s), premises=premises)
   return summary, rows, steps
 
 
-def _imbalance_over_time(recorders: Mapping[str, MetricsRecorder],
-                         duration: float) -> float | None:
-  """How unevenly the pools fill over the run: the fullest pool's KV use averaged over
-  `IMBALANCE_SAMPLES` instants, over the mean pool's averaged over the same instants
-  (each pool's use held from step to step). 1: every pool as full as the others at
-  every instant; N replicas with one of them doing all the work: N. A ratio of the
-  averages, so the nearly idle moments at the run's ends, where one busy pool among idle
-  ones reads as N, weigh as little as the pages they hold."""
+def _pools_over_time(recorders: Mapping[str, MetricsRecorder],
+                     duration: float) -> dict[str, float | None]:
+  """How the pools fill over the run, at `IMBALANCE_SAMPLES` instants spread evenly over
+  it (each pool's KV use held from one of its steps to the next; 0 before its first):
+  the fullest pool's use and the mean pool's, each averaged over the instants
+  (`kv_usage_fullest`, `kv_usage_mean`), and their ratio (`pool_imbalance_over_time`:
+  1 when every pool is as full as the others at every instant; N replicas with one
+  doing all the work: N; None when no pool held a page). A ratio of averages, so the
+  nearly idle moments at a run's ends, where one busy pool among idle ones reads as N,
+  weigh as little as the pages they hold."""
+  none = dict(pool_imbalance_over_time=None, kv_usage_fullest=None, kv_usage_mean=None)
   if duration <= 0 or not recorders:
-    return None
+    return none
   instants = np.linspace(0.0, duration, IMBALANCE_SAMPLES)
   usage = []
   for recorder in recorders.values():
-    times = np.array([row["time"] for row in recorder.steps])
-    values = np.array([row["kv_usage"] for row in recorder.steps])
+    times = np.array([row["time"] for row in recorder.steps], np.float64)
+    values = np.array([row["kv_usage"] for row in recorder.steps], np.float64)
     if not len(times):
       usage.append(np.zeros_like(instants))
       continue
     index = np.searchsorted(times, instants, side="right") - 1
     usage.append(np.where(index >= 0, values[np.maximum(index, 0)], 0.0))
   table = np.stack(usage)  # replicas x instants
-  mean = table.mean(axis=0).mean()
-  return float(table.max(axis=0).mean() / mean) if mean > 0 else None
+  fullest, mean = float(table.max(axis=0).mean()), float(table.mean())
+  if mean <= 0:
+    return none
+  return dict(pool_imbalance_over_time=fullest / mean, kv_usage_fullest=fullest,
+              kv_usage_mean=mean)
