@@ -22,6 +22,7 @@ import numpy as np
 
 from benchmarks import load_client
 from benchmarks.load_client import LoadConfig, LoadResult
+from benchmarks.processes import core_split
 from configs import scheduler as scheduler_defaults
 from experiments import claims, cli
 from kvpage import premises
@@ -131,16 +132,6 @@ def check_lines(lines: Sequence[str]) -> None:
 
 
 # Servers.
-def core_split(pin: bool) -> tuple[set[int] | None, set[int] | None]:
-  """(server cores, client cores): the client on a core of its own, else None, None."""
-  if not pin or not hasattr(os, "sched_getaffinity"):
-    return None, None
-  cores = sorted(os.sched_getaffinity(0))
-  if len(cores) < 2:
-    return None, None
-  return set(cores[:-1]), {cores[-1]}
-
-
 class Server:
   """`python -m experiments.serve` on 127.0.0.1, a free port, `cores`; stopped by `stop`."""
 

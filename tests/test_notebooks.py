@@ -22,7 +22,8 @@ pytest.importorskip("matplotlib")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SMOKE = {"chunked_prefill": 'SCALE = "smoke"', "admission": 'SCALE = "smoke"',
-         "capacity": "WASTE_REQUESTS = 12", "which_line": 'SCALE = "smoke"\nREQUESTS = 60'}
+         "capacity": "WASTE_REQUESTS = 12", "which_line": 'SCALE = "smoke"\nREQUESTS = 60',
+         "fleet": 'SCALE = "smoke"'}
 
 
 def test_every_notebook_is_tested():
