@@ -33,7 +33,7 @@ LONG = {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}
 SMALL = {"prompt": [5, 6, 7], "max_tokens": 2}
 FLEET_FLAGS = ("--executor=sim", "--replicas=2", "--ray_cpus=2", "--router=round_robin",
                "--max_num_seqs=1", "--config.scheduler.max_waiting=1",
-               "--drain_timeout_s=5")
+               "--drain_timeout_s=30")  # (a loaded machine's steps are slower than paced)
 
 
 @pytest.fixture(scope="module")
@@ -260,7 +260,7 @@ def test_sigterm_drains_the_fleet(fleet):
   """The last test of the module's fleet: SIGTERM drains the door as the single server
   drains (new requests 503 `draining`, live ones finish), then the replicas and the
   local cluster stop (the fixture checks that no replica outlives the command)."""
-  held = _Held(fleet, LONG)
+  held = _Held(fleet, {**LONG, "max_tokens": 1000})  # well within the drain timeout
   assert held.started.wait(30) and held.status == 200
   fleet.process.send_signal(signal.SIGTERM)
   deadline = time.monotonic() + 10
