@@ -61,7 +61,6 @@ from kvpage.serve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
-RAY_SERVE_VERSION = "2.60.0"  # the version this adapter is written and tested against
 ROUTING_STATS_PERIOD_S = 0.2  # how often a replica's routing stats are refreshed
 PREFIX_HASH_BYTES = 8  # of each cached page's 16-byte chain hash, in the routing stats
 ANSWER_TIMEOUT_S = 60.0  # a replica that has not answered an admission call by then is
@@ -94,7 +93,6 @@ class _View:
     self.lock = threading.Lock()
     self.router: routing.Router | None = None
     self.live: tuple[str, ...] = ()
-    self.changed = threading.Event()  # set at every change of `live`
     self._cache: dict[str, tuple[float, routing.ReplicaStats]] = {}
 
   def configure(self, policy: str, seed: int, headroom_margin_pages: int,
@@ -109,7 +107,6 @@ class _View:
     with self.lock:
       self.live = tuple(replica_ids)
       self._cache = {k: v for k, v in self._cache.items() if k in replica_ids}
-    self.changed.set()
 
   def stats(self, replica_id: str, reported: dict[str, Any] | None) -> routing.ReplicaStats:
     """`reported` (a replica's routing stats) as `ReplicaStats`, converted once per
@@ -257,20 +254,6 @@ class EngineReplica:
 
   async def metrics_text(self, only: str | None = None) -> bytes:
     return b"" if self._not_me(only) else self.metrics.render()
-
-  async def state(self, only: str | None = None) -> dict[str, Any] | None:
-    """What a test or an operator checks: its requests, its pool, its process."""
-    if self._not_me(only):
-      return None
-
-    def read(engine: Engine) -> dict[str, Any]:
-      scheduler = engine.scheduler
-      pool = scheduler.page_pool
-      return {"replica_id": self.replica_id, "pid": os.getpid(),
-              "num_running": scheduler.num_running, "num_waiting": scheduler.num_waiting,
-              "num_swapped": len(scheduler.swapped),
-              "num_used_pages": pool.num_used_pages}
-    return await self._engine_loop().call(read)
 
   async def info(self) -> dict[str, Any]:
     """What the ingress needs to know of the engines it fronts (the same on every
@@ -431,13 +414,6 @@ class Fleet:
     self.info = info
     self.view = view(name)
     self._owns_cluster = owns_cluster
-
-  async def state(self) -> list[dict[str, Any]]:
-    """Every live replica's `EngineReplica.state`."""
-    states = await asyncio.gather(*(
-        _call(self.handle.state, only=name) for name in self.view.live),
-        return_exceptions=True)
-    return [s for s in states if isinstance(s, dict)]
 
   def shutdown(self) -> None:
     """Deletes the application; stops the local cluster if this fleet started it."""
