@@ -352,14 +352,14 @@ async def _read_stream(response: aiohttp.ClientResponse, endpoint: str, record: 
 async def _send(client: aiohttp.ClientSession, config: LoadConfig, body: dict[str, Any],
                 record: RequestRecord, clock: Clock) -> None:
   """Sends `body` until it is served, fails, or has been rejected `max_retries + 1` times."""
-  plan = RetryPlan(0.0)
+  plan, headers = RetryPlan(0.0), {}
   for retries_done in range(config.max_retries + 1):
     if retries_done:
       await asyncio.sleep(plan.wait_s)
     attempt = Attempt(send_s=clock(), wait_s=plan.wait_s, honoured_hint=plan.honoured_hint)
     record.attempts.append(attempt)
-    async with client.post(config.base_url + ENDPOINTS[config.endpoint],
-                           json=body) as response:
+    async with client.post(config.base_url + ENDPOINTS[config.endpoint], json=body,
+                           headers=headers) as response:
       attempt.status = response.status
       if response.status == 200:
         await _read_stream(response, config.endpoint, record, clock)
@@ -370,6 +370,9 @@ async def _send(client: aiohttp.ClientSession, config: LoadConfig, body: dict[st
       return
     attempt.hint_s = retry_hint_s(response.headers)
     attempt.reason = response.headers.get("x-kvpage-reject-reason")
+    # A retry sends back the id it was refused under: kvpage keeps its place in line.
+    place = response.headers.get("x-request-id")
+    headers = {"x-request-id": place} if place else {}
     plan = plan_retry(response.headers, retries_done, config.honor_retry_after)
     if plan.wait_s is None:
       record.fail("not_retried", f"HTTP {response.status}: {plan.reason}")

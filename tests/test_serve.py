@@ -257,9 +257,10 @@ def test_overload_pushes_back_with_hints_the_client_honours(server, capsys):
   rejected_statuses = [status for tries in attempts.by_request.values()
                        for status, _ in tries if status != 200]
   assert rejected_statuses and set(rejected_statuses) <= {429, 503}
-  for tries in attempts.by_request.values():
+  for request_id, tries in attempts.by_request.items():
     for status, headers in tries:
       if status != 200:
+        assert headers["x-request-id"] == request_id  # the place it holds in line
         assert int(headers["retry-after"]) >= 1 and int(headers["retry-after-ms"]) >= 1
         assert int(headers["retry-after-ms"]) <= 120_000 and headers["x-should-retry"] == "true"
         assert headers["x-kvpage-reject-reason"] in ("kv_pressure", "queue_full")

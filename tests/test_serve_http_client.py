@@ -48,6 +48,7 @@ class FakeServer:
     self.num_chunks, self.chunk_delay_s = 4, 0.01
     self.send_usage, self.send_done, self.error_event = True, True, False
     self.posts: list[tuple[float, dict]] = []  # (time.perf_counter(), body) of each POST
+    self.request_ids: list[str | None] = []  # the x-request-id header of each POST
     self.in_flight = self.max_in_flight = 0
 
   async def stream(self, chat: bool, prompt_tokens: int):
@@ -90,6 +91,7 @@ def make_app(state: FakeServer):
   async def complete(request: fastapi.Request):
     body = await request.json()
     state.posts.append((time.perf_counter(), body))
+    state.request_ids.append(request.headers.get("x-request-id"))
     if state.rejections:
       status, headers = state.rejections.pop(0)
       return responses.JSONResponse({"error": {"message": "busy"}}, status_code=status,
@@ -208,6 +210,17 @@ def test_retries_wait_the_servers_hint_and_are_counted(server):
   assert summary["rejected_served_fraction"] == 1.0
   assert summary["retry_wait_total_s"] == pytest.approx(0.1)
   assert summary["retry_wait_mean_s"] == pytest.approx(0.05)
+
+
+def test_a_retry_sends_back_the_id_it_was_refused_under(server):
+  """kvpage names the place a refused request holds in line (`x-request-id` on the
+  429/503); a retry that sends it back keeps that place."""
+  server.rejections = [(503, {**HINTS, "x-request-id": "cmpl-place"}), (429, HINTS)]
+  (record,) = load(server, num_requests=1).requests
+  assert [a.status for a in record.attempts] == [503, 429, 200]
+  # The first try names none; the second sends back the first refusal's; the third
+  # none, as the second refusal named none.
+  assert server.request_ids == [None, "cmpl-place", None]
 
 
 def test_retries_stop_after_max_retries(server):

@@ -146,11 +146,15 @@ def _names(listed: str) -> tuple[str, ...]:
 
 
 def push_back_headers(retry_after_s: float | None, reason: str, *,
-                      retry: bool = True) -> dict[str, str]:
+                      retry: bool = True, request_id: str | None = None) -> dict[str, str]:
   """The headers of a 429/503: the hint in two units that agree (`Retry-After` is the
   ceiling of `retry-after-ms` in whole seconds), capped, whether to retry here at all
-  (not past the cap, nor when `retry` is False), and which line said no."""
+  (not past the cap, nor when `retry` is False), which line said no, and the
+  `x-request-id` the request holds its place in line under (a retry that sends it back
+  keeps that place)."""
   headers = {"x-kvpage-reject-reason": reason}
+  if request_id is not None:
+    headers["x-request-id"] = request_id
   if retry_after_s is None:
     return headers
   capped = min(max(retry_after_s, 0.0), MAX_RETRY_AFTER_S)
@@ -425,7 +429,8 @@ class Gateway:
     status = self.config.kv_pressure_status if answer.cause == "kv_pressure" else answer.status
     error_type = "service_unavailable_error" if status == 503 else "rate_limit_error"
     return ApiError(status, answer.reason, error_type, answer.cause,
-                    headers=push_back_headers(answer.retry_after, answer.cause))
+                    headers=push_back_headers(answer.retry_after, answer.cause,
+                                              request_id=answer.request_id))
 
   # Answers.
   def _chunk(self, gen: GenerationRequest, stream: Stream, text: str | None,
@@ -504,11 +509,12 @@ class Gateway:
             "status": {"state": status.state, "position": status.position,
                        "waited_s": round(status.waited_s, 3), "eta_s": round(status.eta_s, 3)}}
 
-  def _ended_error(self, last: Delta) -> ApiError:
+  def _ended_error(self, last: Delta, request_id: str | None = None) -> ApiError:
     if last.finish_reason == "deadline":
       return ApiError(429, "the request's max_queue_wait_s passed before it was scheduled",
                       "rate_limit_error", "wait_deadline",
-                      headers=push_back_headers(last.retry_after, "wait_deadline"))
+                      headers=push_back_headers(last.retry_after, "wait_deadline",
+                                                request_id=request_id))
     if last.error is not None and last.error.startswith(REPLICA_LOST):  # a fleet's replica
       return ApiError(SERVICE_UNAVAILABLE, last.error, "service_unavailable_error",
                       "replica_lost", headers=push_back_headers(1.0, "replica_lost"))
@@ -631,7 +637,7 @@ class Gateway:
       deltas = stream.delivered()
       last = stream.done.result()
       if last.finish_reason in ("deadline", "error"):
-        raise self._ended_error(last)
+        raise self._ended_error(last, stream.request_id)
       choice, last = self._whole_choice(gen, stream, deltas, last, index)
       choices.append(choice)
       total += last.num_output_tokens
