@@ -25,11 +25,12 @@ def checkpoint(request, tmp_path_factory):
   return directory, make_checkpoint(directory, **CHECKPOINTS[request.param])
 
 
-def _engine(directory, chunk_size: int, prefix_caching: bool = False):
+def _engine(directory, chunk_size: int, prefix_caching: bool = False, **knobs):
   config, params = hf.load(directory)
   scheduler = scheduler_lib.get_scheduler_config()
   scheduler.prefill_policy = "chunked" if chunk_size else "none"
   scheduler.chunk_size = chunk_size
+  scheduler.update(knobs)
   return build.jax_engine(llama, config, params, scheduler, num_pages=64, page_size=16,
                           prefix_caching=prefix_caching)
 
@@ -113,7 +114,9 @@ def test_prompt_logprobs_match_transformers_and_skip_the_prefix_cache(checkpoint
 
 def test_a_logprobs_warm_up_leaves_nothing_to_compile_when_requests_ask(checkpoint):
   directory, _ = checkpoint
-  engine = _engine(directory, 8)
+  # A small batch (2 sequences, 16 tokens): the warm-up compiles every shape it allows,
+  # three programs each, and the default's 256 x 2,048 would take minutes on a CPU.
+  engine = _engine(directory, 8, max_num_seqs=2, max_num_batched_tokens=16)
   config = engine.scheduler.config
   said = []
   count = engine.executor.warmup(config.max_num_seqs, config.max_num_batched_tokens,
