@@ -122,7 +122,9 @@ def build(name: str, default_dtype: str, variant: str | None, hardware: str,
   # back at one instant (`scheduler.retry_jitter` when serving, unless that is set).
   # `retry_audit`: how many refused requests the server watches at once to learn how long
   # each really had to wait (`scheduler.retry_audit` when serving, unless that is set;
-  # /metrics: kvpage:retry_hint_ratio).
+  # /metrics: kvpage:retry_hint_ratio). `retry_reservations`: true turns on
+  # `scheduler.retry_reservations` when serving: a refused request keeps its place in
+  # line, and a retry that sends back the refusal's `x-request-id` finds it.
   config.server = server_defaults()
   return config
 
@@ -137,7 +139,7 @@ def server_defaults() -> ml_collections.ConfigDict:
       watermark=0.4,
       max_connections=0, header_timeout_s=10.0, body_timeout_s=30.0, keep_alive_s=5.0,
       max_headers=100, max_header_bytes=65536, allowed_hosts="", allowed_origins="",
-      open_probes=True, retry_jitter=0.25, retry_audit=64))
+      open_probes=True, retry_jitter=0.25, retry_audit=64, retry_reservations=False))
 
 
 # Dimensions index int32 arrays on the device, so none may exceed int32.
@@ -241,9 +243,9 @@ def check_server(server) -> None:
                        f"{server.get(name)!r}")
   _positive_number("server.retry_jitter", server.get("retry_jitter"), zero_is_off=True)
   _positive_int("server.retry_audit", server.get("retry_audit"), 0)
-  if not isinstance(server.get("open_probes"), bool):
-    raise ValueError(f"server.open_probes must be true or false, got "
-                     f"{server.get('open_probes')!r}")
+  for name in ("open_probes", "retry_reservations"):
+    if not isinstance(server.get(name), bool):
+      raise ValueError(f"server.{name} must be true or false, got {server.get(name)!r}")
   if server.get("ttft_line_s") is not None:  # None or 0: no serving line
     _positive_number("server.ttft_line_s", server.ttft_line_s, zero_is_off=True)
   mark = server.get("watermark", 0.0)

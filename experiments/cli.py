@@ -357,15 +357,18 @@ def hold_serving_line(config: Any, watermark_given: bool = False) -> str:
 
 
 def apply_retry_policy(config: Any) -> None:
-  """The server's `retry_jitter` and `retry_audit` into the scheduler section, unless it
-  sets its own: clients refused in one burst are told different times, so they do not
-  all come back at once, and the server learns how long each really had to wait."""
+  """The server's `retry_jitter`, `retry_audit` and `retry_reservations` into the
+  scheduler section, unless it sets its own: clients refused in one burst are told
+  different times, so they do not all come back at once, the server learns how long
+  each really had to wait, and a client that returns when told finds its place."""
   jitter = config.server.get("retry_jitter")
   if jitter and not config.scheduler.retry_jitter:
     config.scheduler.retry_jitter = float(jitter)
   audit = config.server.get("retry_audit")
   if audit and not config.scheduler.get("retry_audit"):
     config.scheduler.retry_audit = int(audit)
+  if config.server.get("retry_reservations"):
+    config.scheduler.retry_reservations = True
 
 
 def define_tensor_parallel() -> flags.FlagHolder:

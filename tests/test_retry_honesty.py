@@ -34,7 +34,7 @@ def test_first_retries_are_admitted_and_hints_are_tight(rate):
 
 def test_a_fixed_hint_fails_the_same_study(monkeypatch):
   monkeypatch.setattr(wait_estimate.WaitEstimator, "_hint",
-                      lambda self, seconds, timeline: self.default_s)
+                      lambda self, seconds, timeline, **_: self.default_s)
   row = study(2000.0)
   assert not (row["first_retry_admitted"] >= 0.8
               and row["median_hint_over_actual"] <= 2.0)

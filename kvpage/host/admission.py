@@ -113,10 +113,10 @@ class AdmissionControl:
     finally:
       self._probing = False
 
-  def hint(self, estimate: Callable[..., float], *args: object) -> float:
-    """`estimate(*args)`, a retry hint (which may enter the request in the line), or 0
-    when probing."""
-    return 0.0 if self._probing else estimate(*args)
+  def hint(self, estimate: Callable[..., float], *args: object, **kwargs: object) -> float:
+    """`estimate(*args, **kwargs)`, a retry hint (which may enter the request in the
+    line), or 0 when probing."""
+    return 0.0 if self._probing else estimate(*args, **kwargs)
 
   def expected_output_tokens(self, request: Request) -> int:
     """Output tokens `request` is expected to produce in total, per `output_estimate`."""
@@ -193,7 +193,7 @@ class AdmissionControl:
     reserved = self.wait.reserved_ahead(rid, now)
     owed = self.owed_pages(queues.running)
     left = self.pages_left(estimate, queues.running) - reserved
-    if left < self.watermark_pages:
+    if left + self.wait.slack_pages(rid, now) < self.watermark_pages:
       held = f" + {reserved} reserved for rejected requests ahead of it" if reserved else ""
       prompts = f" + {owed} for the rest of running prompts" if owed else ""
       return Admission(
@@ -249,11 +249,16 @@ class AdmissionControl:
 
   def _queue_bound(self, request: Request, now: float, queues: Queues) -> Admission:
     """429 when the waiting queue is full, else 200."""
-    rid, num_waiting, bound = request.request_id, len(queues.waiting), self.config.max_waiting
+    rid, bound = request.request_id, self.config.max_waiting
+    held = self.wait.ahead(rid, now)[0] if bound else 0
+    num_waiting = len(queues.waiting) + held
     if bound and num_waiting >= bound:
-      return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({num_waiting} of {bound})",
+      places = f" + {held} places held for refused requests ahead of it" if held else ""
+      return Admission(TOO_MANY_REQUESTS, f"waiting queue full ({len(queues.waiting)} of "
+                       f"{bound}{places})",
                        self.hint(self.wait.retry_after_slots, request,
-                                 num_waiting - bound + 1, now, queues), rid, "queue_full")
+                                 num_waiting - bound + 1, now, queues,
+                                 self.estimate_pages(request)), rid, "queue_full")
     return Admission(OK, "admitted", None, rid)
 
   def owed_pages(self, running: Sequence[Request]) -> int:
@@ -275,11 +280,13 @@ class AdmissionControl:
     400 checks), behind the reservations ranked ahead of its id and the rest of the
     `running` prompts; no side effects beyond releasing lapsed reservations, so a study
     can probe it at any moment."""
-    queue_ok = not self.config.max_waiting or num_waiting < self.config.max_waiting
+    bound = self.config.max_waiting
+    queue_ok = not bound or num_waiting + self.wait.ahead(request.request_id, now)[0] < bound
     if self.config.admission == "queue_only":
       return queue_ok
+    rid = request.request_id
     left = (self.pages_left(self.estimate_pages(request), running)
-            - self.wait.reserved_ahead(request.request_id, now))
+            - self.wait.reserved_ahead(rid, now) + self.wait.slack_pages(rid, now))
     return left >= self.watermark_pages and queue_ok
 
   # Bookkeeping the scheduler calls.

@@ -103,6 +103,7 @@ class Timeline:
   departures: list[float]  # the waiting queue's departures, in order
   ends: list[tuple[float, str]]  # (when, request id) of each request it ends, in order
   seconds_per_step: float  # mean forecast step
+  departed: list[str] = dataclasses.field(default_factory=list)  # whose, by departure
 
   def first_room(self, pages: float, taken: Sequence[tuple[float, int]] = ()) -> float | None:
     """Seconds until the room above everything forecast (less `taken`: (until when,
@@ -256,6 +257,7 @@ class _Run:
       self.out.scheduled[job.request_id] = self.now
       if job.waiting:
         self.out.departures.append(self.now)
+        self.out.departed.append(job.request_id)
       chunks.append((job, tokens))
       budget -= tokens
     return budget

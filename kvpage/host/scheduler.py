@@ -220,7 +220,8 @@ class Scheduler:
       return answer
     return Admission(TOO_MANY_REQUESTS, what,
                      self.admission.hint(wait.retry_after_deadline, request, estimate,
-                                         forecast_s - limit, now, queues),
+                                         forecast_s - limit, now, queues,
+                                         limit_s=limit - waited, first_token=not own),
                      request.request_id, "wait_deadline" if own else "wait_forecast")
 
   def would_admit(self, request: Request) -> bool:
@@ -240,8 +241,9 @@ class Scheduler:
     now, queues, wait = self.clock(), self._queues(), self.admission.wait
     estimate = self.admission.estimate_pages(request)
     first_step, _ = wait.newcomer_eta(request, estimate, now, queues)
-    over = max(0.0, first_step - cast(float, request.max_queue_wait_s))
-    return wait.retry_after_deadline(request, estimate, over, now, queues)
+    limit = cast(float, request.max_queue_wait_s)
+    return wait.retry_after_deadline(request, estimate, max(0.0, first_step - limit), now,
+                                     queues, limit_s=limit)
 
   @staticmethod
   def _duplicate(request: Request) -> Admission:

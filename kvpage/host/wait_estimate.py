@@ -29,11 +29,19 @@ hint. The forecast admits the ledger's entries in rank order once due, so a late
 client's hint stands behind every earlier promise: without that, a burst of
 rejections all hear the same short hint and return together to room for one.
 
-With `retry_reservations` on, admission keeps the promises too: each request is
-checked against the line after the ledger's entries ranked ahead of it (all of them,
-for a newcomer), so room that opens before a promised client returns is not taken by
-whoever arrives first. The price is room idle until its holder returns, as long as
-the hint is late. Off (the default), the ledger shapes hints only.
+With `retry_reservations` on, the ledger is a line of places that admission keeps,
+whichever line refused (the cache, the waiting queue, a forecast-TTFT line, a
+request's own deadline). Each request is checked against the places ranked ahead of
+it (all of them, for a newcomer): their pages below the KV line, one waiting-queue
+place each, and their requests queued ahead of it in the forecast-TTFT check. So room
+that opens before a promised client returns is not taken by whoever arrives first.
+A refusal's hint is its turn (`retry_after_line`): the forecast with it joining last,
+once every place ahead is due, at the latest of its pages fitting, a queue place and
+its first token within the line; plus a step and `LINE_MARGIN` of its own wait, the
+jitter stretching only that margin (stretching whole waits compounds down the line).
+A burst of refusals of one shape reads its turns off one forecast (`BURST` places).
+The price is room idle until its holder returns, as long as the hint is late. Off
+(the default), the ledger shapes hints only.
 
 Requests rejected since the last forecast join its end without a new run: each holds
 its estimate from now until its forecast end. A hint is never shorter than one step
@@ -44,10 +52,12 @@ is `default_retry_after_s`. Raw seconds: rounding to whole seconds is the gatewa
 Pure Python: never imports jax.
 """
 
+import bisect
 import dataclasses
 import heapq
+import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import ml_collections
 
@@ -58,6 +68,11 @@ from kvpage.request import Request
 from kvpage.units import cdiv
 
 NEWCOMER = "\x00newcomer"  # the forecast's name for a request asking to join the queue
+# A place in line is told its turn plus this share of its own wait (from when those
+# ahead of it are due), besides a step: the forecast knows no stop tokens, arrivals or
+# preemptions, and a client back too early is refused again, one back late only idles.
+LINE_MARGIN = 0.5
+BURST = 32  # places one forecast prices for a burst of new refusals of one shape
 
 
 @dataclasses.dataclass
@@ -70,6 +85,9 @@ class Reservation:
   expires: float  # when it leaves the line if it has not come back
   num_prompt_tokens: int  # what it will run, once admitted
   max_tokens: int
+  # Pages running requests may grow into between its forecast turn and its hint: room
+  # that was there at its turn, taken since only by growth, still counts as its own.
+  slack_pages: int = 0
 
 
 class WaitEstimator:
@@ -91,10 +109,17 @@ class WaitEstimator:
     self.jitter = config.retry_jitter
     self._rng = random.Random(config.retry_jitter_seed)
     self.reserve = bool(config.retry_reservations)
+    self.max_waiting = config.max_waiting
+    self._line_version = 0  # changes whenever the line does (a forecast cache key)
     self.grace_s = config.retry_grace_s
     self.costs = StepCostModel(config.step_cost_window)
     self.reservations: dict[str, Reservation] = {}  # the line, by request id
     self._num_ranked = 0
+    self._prefix: tuple = (None, [], [0], [0.0])  # see `ahead`
+    self._next_lapse = math.inf  # no place lapses before this
+    # The last burst forecast: (the line's version it holds for, or "taken" while a
+    # refusal is entering it; the shape; when it was made; its timeline; the next place).
+    self._burst: tuple | None = None
     self._slot_promises: list[float] = []  # when each 429'd client comes back
     # The last forecast: its key, the time it was made, its timeline, and what was
     # rejected since ((until when, pages), in seconds from the time it was made).
@@ -119,12 +144,27 @@ class WaitEstimator:
   def reserved_ahead(self, request_id: str, now: float) -> int:
     """Pages held for requests ranked ahead of `request_id` (all, if it holds none);
     0 with reservations off. Lapsed entries leave the line first."""
+    return self.ahead(request_id, now)[1]
+
+  def ahead(self, request_id: str, now: float) -> tuple[int, int, float]:
+    """The places held for refused requests ranked ahead of `request_id` (all, if it
+    holds none): how many, their pages, and the latest time one of them is due; none
+    with reservations off. Lapsed entries leave the line first. A bisection over the
+    line's prefix sums, kept per version of the line: the audit asks this of every
+    refusal it watches at every step."""
     self._lapse(now)
     if not self.reserve or not self.reservations:
-      return 0
-    own = self.reservations.get(request_id)
-    rank = own.rank if own is not None else self._num_ranked
-    return sum(held.pages for held in self.reservations.values() if held.rank < rank)
+      return 0, 0, 0.0
+    if self._prefix[0] != self._line_version:
+      ranks, pages, dues = [], [0], [0.0]
+      for held in self.reservations.values():  # in rank order: a renewal keeps its slot
+        ranks.append(held.rank)
+        pages.append(pages[-1] + held.pages)
+        dues.append(max(dues[-1], held.due))
+      self._prefix = (self._line_version, ranks, pages, dues)
+    _, ranks, pages, dues = self._prefix
+    count = bisect.bisect_left(ranks, self._rank_of(request_id))
+    return count, pages[count], dues[count]
 
   def num_held(self, now: float) -> int:
     """Places held in line for refused requests, not yet lapsed (0 with reservations
@@ -135,13 +175,16 @@ class WaitEstimator:
 
   def release(self, request_id: str) -> None:
     """Its holder is admitted: the room is now its backlog."""
-    self.reservations.pop(request_id, None)
+    if self.reservations.pop(request_id, None) is not None:
+      self._line_version += 1
 
   # Estimates.
   def retry_after_pages(self, request: Request, num_pages: int, now: float,
                         queues: forecast.Queues) -> float:
     """The 503 hint for `request` (an estimate of `num_pages` pages); enters it in the
     line, or renews its place there."""
+    if self.reserve:
+      return self.retry_after_line(request, num_pages, now, queues)
     rid = request.request_id
     timeline, made, taken = self._timeline(queues, now)
     held = self.reservations.get(rid)
@@ -160,15 +203,17 @@ class WaitEstimator:
         run_s = (steps + request.sampling.max_tokens) * timeline.seconds_per_step
         taken.append((now - made + seconds + run_s, num_pages))
     hint = self._hint(seconds, timeline)
-    rank = held.rank if held is not None else self._next_rank()
-    self.reservations[rid] = Reservation(rank, num_pages, now + hint, now + hint + self.grace_s,
-                                         request.num_prompt_tokens, request.sampling.max_tokens)
+    rank = self._rank_of(rid)
+    self._hold(request, rank, num_pages, hint, now)
     return hint
 
   def retry_after_slots(self, request: Request, slots_short: int, now: float,
-                        queues: forecast.Queues) -> float:
+                        queues: forecast.Queues, estimate: int = 0) -> float:
     """The 429 hint: `slots_short` waiting-queue places missing, behind the clients told
-    to come back before; a page reservation `request` holds is kept until then."""
+    to come back before; a page reservation `request` holds is kept until then. (With
+    reservations on: `retry_after_line`, `estimate` its page estimate.)"""
+    if self.reserve:
+      return self.retry_after_line(request, estimate, now, queues)
     while self._slot_promises and self._slot_promises[0] <= now:
       heapq.heappop(self._slot_promises)
     timeline, made, _ = self._timeline(queues, now)
@@ -187,6 +232,7 @@ class WaitEstimator:
     held = self.reservations.get(request.request_id)
     if held is not None:
       held.due, held.expires = now + hint, now + hint + self.grace_s
+      self._next_lapse = min(self._next_lapse, held.expires)
     return hint
 
   def retry_after_ends(self, needed: float, now: float, queues: forecast.Queues,
@@ -206,12 +252,98 @@ class WaitEstimator:
     return self._hint(seconds, timeline)
 
   def retry_after_deadline(self, request: Request, estimate: int, seconds_over: float,
-                           now: float, queues: forecast.Queues) -> float:
+                           now: float, queues: forecast.Queues, *, limit_s: float = 0.0,
+                           first_token: bool = False) -> float:
     """The hint for a newcomer (see `newcomer_eta`) whose forecast wait exceeds its
     deadline by `seconds_over`: the queue ahead of it drains a second per second, so
-    then the wait would fit."""
+    then the wait would fit. (With reservations on: `retry_after_line`, the deadline
+    `limit_s` on its first step, or with `first_token` on its first token.)"""
+    if self.reserve:
+      return self.retry_after_line(request, estimate, now, queues, limit_s=limit_s,
+                                   first_token=first_token)
     timeline, _ = self._newcomer_timeline(request, estimate, queues, now)
     return self._hint(seconds_over, timeline)
+
+  def retry_after_line(self, request: Request, estimate: int, now: float,
+                       queues: forecast.Queues, *, limit_s: float | None = None,
+                       first_token: bool = False) -> float:
+    """The hint of a refusal with reservations on, whichever line refused: when the
+    request's turn comes behind everything admitted and every place held ahead of it,
+    and every line would take it then. It enters the line (or keeps its rank there)
+    until it comes back, or its hint and `retry_grace_s` have passed.
+
+    The forecast runs with it joining last, once every place ahead of it is due (their
+    holders are back by then, so what admission sees when it returns is what the
+    forecast ran). Its turn is the latest of: its page estimate fits
+    above the line (the forecast admits it); the waiting queue has a place for it
+    (`max_waiting`: as many ahead of it have left the queue); and with `limit_s`, its
+    forecast first step (or with `first_token`, first token) would come within that
+    many seconds of its return."""
+    rid = request.request_id
+    rank = self._rank_of(rid)
+    joins = max(0.0, self.ahead(rid, now)[2] - now)  # not before those ahead are due
+    job = dataclasses.replace(forecast.job_of(request, estimate), due=joins, waiting=True)
+    if rid in self.reservations:  # back too early, or refused by another line: its own run
+      timeline, made, name = self._run(queues, now, rank=rank, line_jobs=[job]), now, rid
+    else:
+      timeline, made, name = self._burst_turn(job, queues, now, (limit_s, first_token))
+    turn = None if timeline is None else self._turn(timeline, name, limit_s, first_token)
+    if turn is not None:
+      turn = max(0.0, turn - (now - made))
+    seconds = None if timeline is None else (
+        self.max_s if turn is None else turn + LINE_MARGIN * max(0.0, turn - joins))
+    hint = self._hint(seconds, timeline, jitter_margin=True)
+    self._hold(request, rank, estimate, hint, now)
+    if self._burst is not None and self._burst[0] == "taken":
+      self._burst = (self._line_version, *self._burst[1:])
+    if timeline is not None and turn is not None and timeline.seconds_per_step > 0:
+      steps = math.ceil((hint - turn) / timeline.seconds_per_step)
+      self.reservations[rid].slack_pages = cdiv(steps * max(1, len(queues.running)),
+                                                self.page_pool.page_size)
+    return hint
+
+  def _burst_turn(self, job: forecast.Job, queues: forecast.Queues, now: float,
+                  line: tuple) -> tuple[forecast.Timeline | None, float, str]:
+    """The forecast a new refusal of `job`'s shape reads its turn off, when it was made,
+    and the name of its place there. One forecast prices `BURST` such places joining
+    behind the whole line, and the next refusals of the same shape take them in turn
+    while nothing else changes (no step, no other change to the line): a storm of
+    refusals costs one forecast per step, not one each."""
+    shape = (job.prefill, job.samples_left, job.computed, job.estimate, line, queues.key)
+    if self._burst is not None:
+      version, cached_shape, made, timeline, index = self._burst
+      if version == self._line_version and cached_shape == shape and index < BURST:
+        self._burst = ("taken", shape, made, timeline, index + 1)
+        return timeline, made, f"{NEWCOMER}{index}"
+    places = [dataclasses.replace(job, request_id=f"{NEWCOMER}{index}")
+              for index in range(BURST)]
+    timeline = self._run(queues, now, line_jobs=places)
+    self._burst = ("taken", shape, now, timeline, 1)
+    return timeline, now, f"{NEWCOMER}0"
+
+  def slack_pages(self, request_id: str, now: float) -> int:
+    """Pages below the watermark the holder of a place may be admitted into, once its
+    hint is due (see `Reservation.slack_pages`); 0 for anyone else."""
+    held = self.reservations.get(request_id)
+    return held.slack_pages if held is not None and held.due <= now <= held.expires else 0
+
+  def _turn(self, timeline: forecast.Timeline, rid: str, limit_s: float | None,
+            first_token: bool) -> float | None:
+    """When every line would take `rid`, joining last in `timeline`; None if not
+    before the horizon."""
+    if rid not in timeline.admitted or rid not in timeline.scheduled:
+      return None
+    turn = timeline.admitted[rid]
+    if self.max_waiting:
+      position = timeline.departed.index(rid)  # how many waiting ones leave before it
+      if position >= self.max_waiting:
+        turn = max(turn, timeline.departures[position - self.max_waiting])
+    if limit_s is not None:
+      when = timeline.first_tokens.get(rid) if first_token else timeline.scheduled[rid]
+      if when is None:
+        return None
+      turn = max(turn, when - limit_s)
+    return turn
 
   def eta(self, request: Request, now: float, queues: forecast.Queues, *,
           first_token: bool = False) -> float:
@@ -287,20 +419,27 @@ class WaitEstimator:
       by_shape = {}
       self._newcomers = (queues.key, by_shape)
     rid = request.request_id
+    self._lapse(now)
     shape = (request.num_prompt_tokens, request.sampling.max_tokens, request.num_sampled,
-             request.num_computed_tokens, estimate, rid if rid in self.reservations else None)
+             request.num_computed_tokens, estimate, rid if rid in self.reservations else None,
+             self._line_version if self.reserve else None)
     if shape not in by_shape:
-      self._lapse(now)
       newcomer = dataclasses.replace(forecast.job_of(request, estimate), request_id=NEWCOMER,
                                      waiting=True)
-      by_shape[shape] = (now, self._run(queues, now, newcomer, rid))
+      by_shape[shape] = (now, self._run(queues, now, newcomer, rid, rank=self._rank_of(rid)))
     made, timeline = by_shape[shape]
     return timeline, made
 
   def _run(self, queues: forecast.Queues, now: float, newcomer: forecast.Job | None = None,
-           newcomer_id: str = "") -> forecast.Timeline | None:
+           newcomer_id: str = "", *, rank: int | None = None,
+           line_jobs: Sequence[forecast.Job] = ()) -> forecast.Timeline | None:
     """The forecast of `queues` from `now` (`newcomer`, if given, queued last, its
-    reservation not counted twice); None before both kinds of step are priced."""
+    reservation not counted twice); None before both kinds of step are priced.
+
+    With reservations on and a `rank`, only the places ranked ahead of it count; a
+    `newcomer` then stands behind all of those, as admission has it (they are in its
+    way from now), and `line_jobs` (refused requests) join the line last, at their
+    `due`."""
     decode_costs, prefill_costs = self.costs.coefficients(False), self.costs.coefficients(True)
     if decode_costs is None or prefill_costs is None:
       return None
@@ -314,10 +453,16 @@ class WaitEstimator:
       queue.append(newcomer)
     live = {request.request_id for request in (*queues.running, *queues.swapped,
                                                *queues.waiting)} | {newcomer_id}
+    line = [(rid, held) for rid, held in sorted(self.reservations.items(),
+                                                key=lambda kv: kv[1].rank)
+            if rid not in live and (rank is None or held.rank < rank)]
     reserved = [forecast.Job(rid, held.num_prompt_tokens, held.max_tokens, 0, 0, held.pages,
                              due=max(0.0, held.due - now))
-                for rid, held in sorted(self.reservations.items(), key=lambda kv: kv[1].rank)
-                if rid not in live]
+                for rid, held in line]
+    if self.reserve and newcomer is not None:
+      queue[-1:-1] = [dataclasses.replace(job, due=0.0, waiting=True) for job in reserved]
+      reserved = []
+    reserved.extend(line_jobs)
     rules = forecast.Rules(decode_costs=decode_costs, prefill_costs=prefill_costs,
                            **self.rules)
     ends = now  # when the steps in flight are expected back, one after the other
@@ -327,19 +472,46 @@ class WaitEstimator:
     return forecast.run(rules, pool.num_free_pages, running, queue, reserved,
                         start_s=ends - now, until=None if newcomer is None else NEWCOMER)
 
-  def _hint(self, seconds: float | None, timeline: forecast.Timeline | None) -> float:
+  def _hint(self, seconds: float | None, timeline: forecast.Timeline | None, *,
+            jitter_margin: bool = False) -> float:
+    """`seconds` plus a step's margin, stretched by the jitter (with `jitter_margin`,
+    only the margin is: a place in line is spread from those beside it by its turn
+    already, and stretching the whole of a long wait would leave its room idle)."""
+    spread = 1.0 + self.jitter * self._rng.random() if self.jitter else 1.0
     if seconds is None or timeline is None:
-      hint = self.default_s
-    else:  # One step late rather than one early: an early client is refused again.
-      hint = seconds + timeline.seconds_per_step
-    if self.jitter:
-      hint *= 1.0 + self.jitter * self._rng.random()
+      hint = self.default_s * spread
+    elif jitter_margin:  # One step late rather than one early: an early client is refused.
+      hint = seconds + timeline.seconds_per_step * spread
+    else:
+      hint = (seconds + timeline.seconds_per_step) * spread
     return min(self.max_s, hint)
 
   def _next_rank(self) -> int:
     self._num_ranked += 1
     return self._num_ranked - 1
 
+  def _rank_of(self, request_id: str) -> int:
+    """Its rank in the line, or the next one for a request holding no place."""
+    held = self.reservations.get(request_id)
+    return held.rank if held is not None else self._num_ranked
+
+  def _hold(self, request: Request, rank: int, pages: int, hint: float, now: float) -> None:
+    """Enters `request` in the line (or renews its place), due at `now + hint`."""
+    if rank == self._num_ranked:
+      self._next_rank()
+    self.reservations[request.request_id] = Reservation(
+        rank, pages, now + hint, now + hint + self.grace_s, request.num_prompt_tokens,
+        request.sampling.max_tokens)
+    self._line_version += 1
+    self._next_lapse = min(self._next_lapse, now + hint + self.grace_s)
+
   def _lapse(self, now: float) -> None:
-    for rid in [rid for rid, held in self.reservations.items() if held.expires < now]:
+    if now <= self._next_lapse:
+      return
+    lapsed = [rid for rid, held in self.reservations.items() if held.expires < now]
+    for rid in lapsed:
       del self.reservations[rid]
+    if lapsed:
+      self._line_version += 1
+    self._next_lapse = min((held.expires for held in self.reservations.values()),
+                           default=math.inf)
