@@ -68,10 +68,10 @@ from kvpage.request import Request
 from kvpage.units import cdiv
 
 NEWCOMER = "\x00newcomer"  # the forecast's name for a request asking to join the queue
-# A place in line is told its turn plus this share of its own wait (from when those
-# ahead of it are due), besides a step: the forecast knows no stop tokens, arrivals or
-# preemptions, and a client back too early is refused again, one back late only idles.
-LINE_MARGIN = 0.5
+# A place in line is told its turn plus this share of it, besides a step: the forecast
+# knows no arrivals, stop tokens, preemptions or slower steps to come, and a client
+# back too early is refused again, one back late only idles its room.
+LINE_MARGIN = 0.25
 BURST = 32  # places one forecast prices for a burst of new refusals of one shape
 
 
@@ -88,6 +88,7 @@ class Reservation:
   # Pages running requests may grow into between its forecast turn and its hint: room
   # that was there at its turn, taken since only by growth, still counts as its own.
   slack_pages: int = 0
+  turn: float = 0.0  # when its turn was forecast to come (its hint, less the margins)
 
 
 class WaitEstimator:
@@ -148,7 +149,7 @@ class WaitEstimator:
 
   def ahead(self, request_id: str, now: float) -> tuple[int, int, float]:
     """The places held for refused requests ranked ahead of `request_id` (all, if it
-    holds none): how many, their pages, and the latest time one of them is due; none
+    holds none): how many, their pages, and the latest turn among them; none
     with reservations off. Lapsed entries leave the line first. A bisection over the
     line's prefix sums, kept per version of the line: the audit asks this of every
     refusal it watches at every step."""
@@ -156,15 +157,15 @@ class WaitEstimator:
     if not self.reserve or not self.reservations:
       return 0, 0, 0.0
     if self._prefix[0] != self._line_version:
-      ranks, pages, dues = [], [0], [0.0]
+      ranks, pages, turns = [], [0], [0.0]
       for held in self.reservations.values():  # in rank order: a renewal keeps its slot
         ranks.append(held.rank)
         pages.append(pages[-1] + held.pages)
-        dues.append(max(dues[-1], held.due))
-      self._prefix = (self._line_version, ranks, pages, dues)
-    _, ranks, pages, dues = self._prefix
+        turns.append(max(turns[-1], held.turn))
+      self._prefix = (self._line_version, ranks, pages, turns)
+    _, ranks, pages, turns = self._prefix
     count = bisect.bisect_left(ranks, self._rank_of(request_id))
-    return count, pages[count], dues[count]
+    return count, pages[count], turns[count]
 
   def num_held(self, now: float) -> int:
     """Places held in line for refused requests, not yet lapsed (0 with reservations
@@ -272,16 +273,17 @@ class WaitEstimator:
     and every line would take it then. It enters the line (or keeps its rank there)
     until it comes back, or its hint and `retry_grace_s` have passed.
 
-    The forecast runs with it joining last, once every place ahead of it is due (their
-    holders are back by then, so what admission sees when it returns is what the
-    forecast ran). Its turn is the latest of: its page estimate fits
+    The forecast runs with it joining last, from the latest turn ahead of it (each
+    place joins the forecast at its turn, not at its hint: the margins do not add up
+    down the line). Its turn is the latest of: its page estimate fits
     above the line (the forecast admits it); the waiting queue has a place for it
     (`max_waiting`: as many ahead of it have left the queue); and with `limit_s`, its
     forecast first step (or with `first_token`, first token) would come within that
-    many seconds of its return."""
+    many seconds of its return. The hint is its turn plus `LINE_MARGIN` of it and a
+    step: each holder ahead returns late by its own margin, at most this one's."""
     rid = request.request_id
     rank = self._rank_of(rid)
-    joins = max(0.0, self.ahead(rid, now)[2] - now)  # not before those ahead are due
+    joins = max(0.0, self.ahead(rid, now)[2] - now)  # not before the turns ahead
     job = dataclasses.replace(forecast.job_of(request, estimate), due=joins, waiting=True)
     if rid in self.reservations:  # back too early, or refused by another line: its own run
       timeline, made, name = self._run(queues, now, rank=rank, line_jobs=[job]), now, rid
@@ -291,9 +293,10 @@ class WaitEstimator:
     if turn is not None:
       turn = max(0.0, turn - (now - made))
     seconds = None if timeline is None else (
-        self.max_s if turn is None else turn + LINE_MARGIN * max(0.0, turn - joins))
+        self.max_s if turn is None else turn * (1.0 + LINE_MARGIN))
     hint = self._hint(seconds, timeline, jitter_margin=True)
     self._hold(request, rank, estimate, hint, now)
+    self.reservations[rid].turn = now + (hint if turn is None else turn)
     if self._burst is not None and self._burst[0] == "taken":
       self._burst = (self._line_version, *self._burst[1:])
     if timeline is not None and turn is not None and timeline.seconds_per_step > 0:
@@ -457,7 +460,7 @@ class WaitEstimator:
                                                 key=lambda kv: kv[1].rank)
             if rid not in live and (rank is None or held.rank < rank)]
     reserved = [forecast.Job(rid, held.num_prompt_tokens, held.max_tokens, 0, 0, held.pages,
-                             due=max(0.0, held.due - now))
+                             due=max(0.0, (held.turn if self.reserve else held.due) - now))
                 for rid, held in line]
     if self.reserve and newcomer is not None:
       queue[-1:-1] = [dataclasses.replace(job, due=0.0, waiting=True) for job in reserved]
