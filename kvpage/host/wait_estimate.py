@@ -36,9 +36,9 @@ it (all of them, for a newcomer): their pages below the KV line, one waiting-que
 place each, and their requests queued ahead of it in the forecast-TTFT check. So room
 that opens before a promised client returns is not taken by whoever arrives first.
 A refusal's hint is its turn (`retry_after_line`): the forecast with it joining last,
-once every place ahead is due, at the latest of its pages fitting, a queue place and
-its first token within the line; plus a step and `LINE_MARGIN` of its own wait, the
-jitter stretching only that margin (stretching whole waits compounds down the line).
+each place ahead joining at its own turn, at the latest of its pages fitting, a queue
+place and its first token within the line; plus `LINE_MARGIN` of that and a step, the
+jitter stretching only the step (stretched hints compound down the line).
 A burst of refusals of one shape reads its turns off one forecast (`BURST` places).
 The price is room idle until its holder returns, as long as the hint is late. Off
 (the default), the ledger shapes hints only.
