@@ -2,9 +2,12 @@
 sets: every line a refused client can meet at once (the KV watermark, a bounded waiting
 queue, a forecast-TTFT line), 150 clients arriving within a tenth of a second, each
 coming back exactly when told with the id it was refused under. With the line, nearly
-every first retry is admitted, the hints are close to the waits the server's own audit
-finds, and the burst is served sooner than without it; without it, most first retries
-are refused again (the test can tell the two apart)."""
+every first retry is admitted and the burst is served sooner than without it; without
+it, most first retries are refused again (the test can tell the two apart). The
+audit's hint / needed is checked too, but with places held it cannot catch a long hint
+on its own (the room a holder ahead was promised idles until it returns, stretching
+the wait the next one needs: `tests/test_retry_honesty.py`); the time the burst takes
+is what shows the hints are not long."""
 
 import collections
 import heapq

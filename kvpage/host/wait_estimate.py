@@ -91,6 +91,17 @@ class Reservation:
   turn: float = 0.0  # when its turn was forecast to come (its hint, less the margins)
 
 
+@dataclasses.dataclass
+class _Burst:
+  """One forecast with `BURST` places of one shape behind the line (`_burst_turn`)."""
+
+  version: int  # the line it was made for (advanced by the places it hands out)
+  shape: tuple
+  made: float  # when
+  timeline: forecast.Timeline | None
+  taken: int = 0  # places handed out
+
+
 class WaitEstimator:
   """The step-cost model, the line of rejected requests, and the estimates."""
 
@@ -118,9 +129,7 @@ class WaitEstimator:
     self._num_ranked = 0
     self._prefix: tuple = (None, [], [0], [0.0])  # see `ahead`
     self._next_lapse = math.inf  # no place lapses before this
-    # The last burst forecast: (the line's version it holds for, or "taken" while a
-    # refusal is entering it; the shape; when it was made; its timeline; the next place).
-    self._burst: tuple | None = None
+    self._burst: _Burst | None = None  # the last burst forecast (`_burst_turn`)
     self._slot_promises: list[float] = []  # when each 429'd client comes back
     # The last forecast: its key, the time it was made, its timeline, and what was
     # rejected since ((until when, pages), in seconds from the time it was made).
@@ -285,10 +294,12 @@ class WaitEstimator:
     rank = self._rank_of(rid)
     joins = max(0.0, self.ahead(rid, now)[2] - now)  # not before the turns ahead
     job = dataclasses.replace(forecast.job_of(request, estimate), due=joins, waiting=True)
+    burst = None
     if rid in self.reservations:  # back too early, or refused by another line: its own run
       timeline, made, name = self._run(queues, now, rank=rank, line_jobs=[job]), now, rid
     else:
-      timeline, made, name = self._burst_turn(job, queues, now, (limit_s, first_token))
+      burst = self._burst_turn(job, queues, now, (limit_s, first_token))
+      timeline, made, name = burst.timeline, burst.made, f"{NEWCOMER}{burst.taken - 1}"
     turn = None if timeline is None else self._turn(timeline, name, limit_s, first_token)
     if turn is not None:
       turn = max(0.0, turn - (now - made))
@@ -297,8 +308,8 @@ class WaitEstimator:
     hint = self._hint(seconds, timeline, jitter_margin=True)
     self._hold(request, rank, estimate, hint, now)
     self.reservations[rid].turn = now + (hint if turn is None else turn)
-    if self._burst is not None and self._burst[0] == "taken":
-      self._burst = (self._line_version, *self._burst[1:])
+    if burst is not None:  # the line changed by this place alone: the next may use it
+      burst.version = self._line_version
     if timeline is not None and turn is not None and timeline.seconds_per_step > 0:
       steps = math.ceil((hint - turn) / timeline.seconds_per_step)
       self.reservations[rid].slack_pages = cdiv(steps * max(1, len(queues.running)),
@@ -306,23 +317,22 @@ class WaitEstimator:
     return hint
 
   def _burst_turn(self, job: forecast.Job, queues: forecast.Queues, now: float,
-                  line: tuple) -> tuple[forecast.Timeline | None, float, str]:
-    """The forecast a new refusal of `job`'s shape reads its turn off, when it was made,
-    and the name of its place there. One forecast prices `BURST` such places joining
+                  line: tuple) -> "_Burst":
+    """The forecast a new refusal of `job`'s shape reads its turn off, its place there
+    taken (`NEWCOMER` + the index). One forecast prices `BURST` such places joining
     behind the whole line, and the next refusals of the same shape take them in turn
     while nothing else changes (no step, no other change to the line): a storm of
     refusals costs one forecast per step, not one each."""
     shape = (job.prefill, job.samples_left, job.computed, job.estimate, line, queues.key)
-    if self._burst is not None:
-      version, cached_shape, made, timeline, index = self._burst
-      if version == self._line_version and cached_shape == shape and index < BURST:
-        self._burst = ("taken", shape, made, timeline, index + 1)
-        return timeline, made, f"{NEWCOMER}{index}"
-    places = [dataclasses.replace(job, request_id=f"{NEWCOMER}{index}")
-              for index in range(BURST)]
-    timeline = self._run(queues, now, line_jobs=places)
-    self._burst = ("taken", shape, now, timeline, 1)
-    return timeline, now, f"{NEWCOMER}0"
+    burst = self._burst
+    if (burst is None or burst.version != self._line_version or burst.shape != shape
+        or burst.taken == BURST):
+      places = [dataclasses.replace(job, request_id=f"{NEWCOMER}{index}")
+                for index in range(BURST)]
+      burst = _Burst(self._line_version, shape, now, self._run(queues, now, line_jobs=places))
+      self._burst = burst
+    burst.taken += 1
+    return burst
 
   def slack_pages(self, request_id: str, now: float) -> int:
     """Pages below the watermark the holder of a place may be admitted into, once its
