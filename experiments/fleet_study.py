@@ -199,10 +199,7 @@ def measure(scale: Scale, setup: SimSetup, directory: pathlib.Path,
   base = line_study.base(line_study.Scale(
       num_requests=scale.measure_requests, seeds=1, mixes=(), arrivals=(), loads=(), knobs=1,
       extend=False, tolerance=scale.tolerance), setup)
-  directory.mkdir(parents=True, exist_ok=True)
-  record = sweep.manifest(base, [])  # the probes' base: a resumed study must share it
-  sweep.check_manifest(directory, record)
-  cli.write_files(directory, {sweep.MANIFEST: json.dumps(record, indent=2)})
+  sweep.claim_workdir(directory, base, [])  # the probes' base: a resumed study must share it
   measured: dict[str, Any] = {}
   for traffic in scale.traffics:
     probe = lambda **values: _probe(base, {**TRAFFICS[traffic], **values},  # noqa: B023
@@ -272,10 +269,7 @@ def run_fleet(config: ml_collections.ConfigDict, cells: Sequence[sweep.Cell],
   cell's row (its cell, the fleet's summary, its premises), in the order of `cells`.
   (`sweep.run_cells` would do, but its flat metrics read figures a fleet's summary
   lacks.)"""
-  directory.mkdir(parents=True, exist_ok=True)
-  record = sweep.manifest(config, cells)
-  sweep.check_manifest(directory, record)
-  cli.write_files(directory, {sweep.MANIFEST: json.dumps(record, indent=2)})
+  sweep.claim_workdir(directory, config, cells)
   done = {row["cell_id"]: row for row in sweep.read_rows(directory)}
   todo = [cell for cell in cells if cell.cell_id not in done]
   start = time.perf_counter()

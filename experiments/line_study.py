@@ -157,10 +157,7 @@ def measure(scale: Scale, setup: SimSetup, directory: pathlib.Path,
   search (the highest Poisson rate at which `ATTAINMENT` of requests meet both SLOs);
   and the KV pool's tokens. Every run is a cell in `directory`."""
   config = base(scale, setup)
-  directory.mkdir(parents=True, exist_ok=True)
-  record = sweep.manifest(config, [])  # the probes' base: a resumed study must share it
-  sweep.check_manifest(directory, record)
-  cli.write_files(directory, {sweep.MANIFEST: json.dumps(record, indent=2)})
+  sweep.claim_workdir(directory, config, [])  # the probes' base: a resumed study must share it
   measured: dict[str, Any] = {}
   for mix in scale.mixes:
     probe = lambda **values: _probe(config, dict(prompt_len=MIXES[mix], **values),  # noqa: B023

@@ -333,11 +333,18 @@ def run_sweep(config: ml_collections.ConfigDict, cells: Sequence[Cell],
               keep_runs: bool = False) -> list[dict[str, Any]]:
   """`run_cells` in `directory` after checking and writing its sweep.json: the whole of a
   sweep, for studies and notebooks."""
+  claim_workdir(directory, config, cells)
+  return run_cells(cells, directory, show_progress=show_progress, keep_runs=keep_runs)
+
+
+def claim_workdir(directory: pathlib.Path, config: ml_collections.ConfigDict,
+                  cells: Sequence[Cell]) -> None:
+  """Makes `directory` a sweep of `config` over `cells`: refuses one that holds a sweep
+  of other base settings (`check_manifest`), else writes its sweep.json."""
   directory.mkdir(parents=True, exist_ok=True)
   record = manifest(config, cells)
   check_manifest(directory, record)
   cli.write_files(directory, {MANIFEST: json.dumps(record, indent=2)})
-  return run_cells(cells, directory, show_progress=show_progress, keep_runs=keep_runs)
 
 
 def workers() -> int:

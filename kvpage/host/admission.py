@@ -250,7 +250,7 @@ class AdmissionControl:
   def _queue_bound(self, request: Request, now: float, queues: Queues) -> Admission:
     """429 when the waiting queue is full, else 200."""
     rid, bound = request.request_id, self.config.max_waiting
-    held = self.wait.ahead(rid, now)[0] if bound else 0
+    held = self.wait.ahead(rid, now).places if bound else 0
     num_waiting = len(queues.waiting) + held
     if bound and num_waiting >= bound:
       places = f" + {held} places held for refused requests ahead of it" if held else ""
@@ -281,7 +281,7 @@ class AdmissionControl:
     `running` prompts; no side effects beyond releasing lapsed reservations, so a study
     can probe it at any moment."""
     bound = self.config.max_waiting
-    queue_ok = not bound or num_waiting + self.wait.ahead(request.request_id, now)[0] < bound
+    queue_ok = not bound or num_waiting + self.wait.ahead(request.request_id, now).places < bound
     if self.config.admission == "queue_only":
       return queue_ok
     rid = request.request_id

@@ -100,10 +100,14 @@ class Timeline:
   scheduled: dict[str, float]  # queued request or reservation -> when it first ran
   # request -> when the step that computes the last of its prompt ends: its next token
   first_tokens: dict[str, float]
-  departures: list[float]  # the waiting queue's departures, in order
+  departed: list[str]  # who left the waiting queue (was first scheduled), in order
   ends: list[tuple[float, str]]  # (when, request id) of each request it ends, in order
   seconds_per_step: float  # mean forecast step
-  departed: list[str] = dataclasses.field(default_factory=list)  # whose, by departure
+
+  @property
+  def departures(self) -> list[float]:
+    """When each of `departed` left the waiting queue, in order."""
+    return [self.scheduled[rid] for rid in self.departed]
 
   def first_room(self, pages: float, taken: Sequence[tuple[float, int]] = ()) -> float | None:
     """Seconds until the room above everything forecast (less `taken`: (until when,
@@ -256,7 +260,6 @@ class _Run:
       self.running.append(job)
       self.out.scheduled[job.request_id] = self.now
       if job.waiting:
-        self.out.departures.append(self.now)
         self.out.departed.append(job.request_id)
       chunks.append((job, tokens))
       budget -= tokens

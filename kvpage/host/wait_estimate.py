@@ -58,6 +58,7 @@ import heapq
 import math
 import random
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import ml_collections
 
@@ -89,6 +90,14 @@ class Reservation:
   # that was there at its turn, taken since only by growth, still counts as its own.
   slack_pages: int = 0
   turn: float = 0.0  # when its turn was forecast to come (its hint, less the margins)
+
+
+class Ahead(NamedTuple):
+  """The places in line ahead of a request (`WaitEstimator.ahead`)."""
+
+  places: int
+  pages: int
+  latest_turn: float  # the latest time one of them was forecast to get its turn
 
 
 @dataclasses.dataclass
@@ -154,17 +163,16 @@ class WaitEstimator:
   def reserved_ahead(self, request_id: str, now: float) -> int:
     """Pages held for requests ranked ahead of `request_id` (all, if it holds none);
     0 with reservations off. Lapsed entries leave the line first."""
-    return self.ahead(request_id, now)[1]
+    return self.ahead(request_id, now).pages
 
-  def ahead(self, request_id: str, now: float) -> tuple[int, int, float]:
+  def ahead(self, request_id: str, now: float) -> Ahead:
     """The places held for refused requests ranked ahead of `request_id` (all, if it
-    holds none): how many, their pages, and the latest turn among them; none
-    with reservations off. Lapsed entries leave the line first. A bisection over the
-    line's prefix sums, kept per version of the line: the audit asks this of every
-    refusal it watches at every step."""
+    holds none); none with reservations off. Lapsed entries leave the line first. A
+    bisection over the line's prefix sums, kept per version of the line: the audit
+    asks this of every refusal it watches at every step."""
     self._lapse(now)
     if not self.reserve or not self.reservations:
-      return 0, 0, 0.0
+      return Ahead(0, 0, 0.0)
     if self._prefix[0] != self._line_version:
       ranks, pages, turns = [], [0], [0.0]
       for held in self.reservations.values():  # in rank order: a renewal keeps its slot
@@ -174,7 +182,7 @@ class WaitEstimator:
       self._prefix = (self._line_version, ranks, pages, turns)
     _, ranks, pages, turns = self._prefix
     count = bisect.bisect_left(ranks, self._rank_of(request_id))
-    return count, pages[count], turns[count]
+    return Ahead(count, pages[count], turns[count])
 
   def num_held(self, now: float) -> int:
     """Places held in line for refused requests, not yet lapsed (0 with reservations
@@ -292,7 +300,7 @@ class WaitEstimator:
     step: each holder ahead returns late by its own margin, at most this one's."""
     rid = request.request_id
     rank = self._rank_of(rid)
-    joins = max(0.0, self.ahead(rid, now)[2] - now)  # not before the turns ahead
+    joins = max(0.0, self.ahead(rid, now).latest_turn - now)  # not before those ahead
     job = dataclasses.replace(forecast.job_of(request, estimate), due=joins, waiting=True)
     burst = None
     if rid in self.reservations:  # back too early, or refused by another line: its own run
@@ -306,14 +314,14 @@ class WaitEstimator:
     seconds = None if timeline is None else (
         self.max_s if turn is None else turn * (1.0 + LINE_MARGIN))
     hint = self._hint(seconds, timeline, jitter_margin=True)
-    self._hold(request, rank, estimate, hint, now)
-    self.reservations[rid].turn = now + (hint if turn is None else turn)
-    if burst is not None:  # the line changed by this place alone: the next may use it
-      burst.version = self._line_version
+    slack = 0
     if timeline is not None and turn is not None and timeline.seconds_per_step > 0:
       steps = math.ceil((hint - turn) / timeline.seconds_per_step)
-      self.reservations[rid].slack_pages = cdiv(steps * max(1, len(queues.running)),
-                                                self.page_pool.page_size)
+      slack = cdiv(steps * max(1, len(queues.running)), self.page_pool.page_size)
+    self._hold(request, rank, estimate, hint, now, turn=now + (hint if turn is None else turn),
+               slack_pages=slack)
+    if burst is not None:  # the line changed by this place alone: the next may use it
+      burst.version = self._line_version
     return hint
 
   def _burst_turn(self, job: forecast.Job, queues: forecast.Queues, now: float,
@@ -508,13 +516,14 @@ class WaitEstimator:
     held = self.reservations.get(request_id)
     return held.rank if held is not None else self._num_ranked
 
-  def _hold(self, request: Request, rank: int, pages: int, hint: float, now: float) -> None:
+  def _hold(self, request: Request, rank: int, pages: int, hint: float, now: float, *,
+            turn: float = 0.0, slack_pages: int = 0) -> None:
     """Enters `request` in the line (or renews its place), due at `now + hint`."""
     if rank == self._num_ranked:
       self._next_rank()
     self.reservations[request.request_id] = Reservation(
         rank, pages, now + hint, now + hint + self.grace_s, request.num_prompt_tokens,
-        request.sampling.max_tokens)
+        request.sampling.max_tokens, slack_pages, turn)
     self._line_version += 1
     self._next_lapse = min(self._next_lapse, now + hint + self.grace_s)
 
