@@ -9,7 +9,10 @@ probing admission without side effects."""
 import pytest
 
 from configs import scheduler as scheduler_lib
+from kvpage.host import retry_audit
+from kvpage.host.retry_audit import RetryAudit
 from kvpage.host.scheduler import Scheduler
+from kvpage.interface import Admission
 from kvpage.request import Request, SamplingParams
 
 STEP_S = 0.1  # every step in these tests takes this long
@@ -197,3 +200,22 @@ def test_the_audit_is_bounded_and_ends_a_watch_that_never_resolves():
   never, clock = scheduler(retry_audit=1)
   assert never.add_request(req("x", 100, 20)).status == 400  # no hint: not audited
   assert never.audit.num_open == 0
+
+
+def test_the_audit_asks_a_refusal_again_only_once_a_share_of_its_hint_has_passed():
+  audit = RetryAudit(8)
+  request = Request("r", [1] * 4, SamplingParams(4))
+  audit.note(request, Admission(503, "full", 1.0, "r", "kv_pressure"), now=0.0)
+  asked = []
+
+  def would_admit(probe: Request) -> bool:
+    asked.append(probe)
+    return now >= 0.5
+
+  now = 0.0
+  while audit.num_open:  # a step every millisecond
+    now = round(now + 0.001, 6)
+    audit.probe(now, would_admit)
+  [verdict] = audit.take()
+  assert len(asked) <= 0.5 / (retry_audit.RESOLUTION * 1.0) + 1  # not at each of 500 steps
+  assert 0.5 <= verdict.needed_s <= 0.5 + retry_audit.RESOLUTION * 1.0 + 1e-9

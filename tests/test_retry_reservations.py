@@ -88,3 +88,38 @@ def test_a_client_the_deadline_check_refuses_keeps_its_place():
   assert answer.cause == "wait_deadline"
   assert sched.admission.wait.reservations["client"].rank == rank  # still first in line
   assert sched.add_request(req("client", 20, 12)).admitted
+
+
+def test_a_place_is_ahead_of_another_by_when_it_is_due_not_by_rank():
+  sched, clock = scheduler()
+  fill_then_free(sched, clock)
+  first = sched.add_request(req("first", 20, 12))
+  second = sched.add_request(req("second", 20, 12))
+  assert first.status == second.status == 503
+  wait = sched.admission.wait
+  assert wait.ahead("second", clock.now).places == 1
+  # "first" told to come back after "second" (say, refused again on return): it no
+  # longer stands in the way of "second", and "second" stands in its way.
+  held = wait.reservations["first"]
+  held.due = wait.reservations["second"].due + 1.0
+  held.expires = held.due + 1.0
+  wait._line_version += 1  # what a renewal does
+  assert wait.ahead("second", clock.now).places == 0
+  assert wait.ahead("first", clock.now).places == 1
+  assert wait.ahead("newcomer", clock.now).places == 2  # a newcomer: behind them all
+
+
+def test_a_turn_past_the_cap_is_told_the_cap_and_back_early_the_rest():
+  sched, clock = scheduler(max_retry_after_s=0.05)
+  fill_then_free(sched, clock)
+  for _ in range(3):  # priced steps: the forecast runs
+    sched.update(sched.schedule(), {"hold": 2, "gone": 2})
+    clock.now += 0.01
+  answer = sched.add_request(req("client", 20, 12))
+  assert answer.status == 503 and answer.retry_after == 0.05  # the cap
+  due = sched.admission.wait.reservations["client"].due
+  assert due > clock.now + 0.05  # its place stays due at its turn
+  clock.now += answer.retry_after
+  again = sched.add_request(req("client", 20, 12))
+  assert again.status == 503
+  assert sched.admission.wait.reservations["client"].due >= due - 1e-9

@@ -60,10 +60,10 @@ mostly idle cache.
 A rejection carries `retry_after`, raw seconds from the one wait estimator
 (`kvpage.host.wait_estimate`): when the check that refused it is forecast to pass,
 the scheduler's own rules run ahead over what it holds, behind every client told to
-come back before it. With `retry_reservations` on, a 503 also holds the request's
-pages under its id until it comes back: every request is then measured against the
-line after the reservations ranked ahead of it, so a promised client returning with
-its id is admitted ahead of newcomers.
+come back before it. With `retry_reservations` on, a refusal also holds the request's
+place under its id until it comes back: every request is then measured against the
+lines after the places due ahead of it (their pages, a queue place each), so a
+promised client returning with its id is admitted ahead of newcomers.
 
 Pure Python: never imports jax.
 """
@@ -100,6 +100,7 @@ class AdmissionControl:
     self.wait = WaitEstimator(config, page_pool, self.watermark_pages, self._backlog)
     self._bucket = (float(config.rate_burst), float("-inf"))  # (tokens, when last filled)
     self._probing = False  # inside `probing()`: answers only, no side effects
+    self._owed_by_key: tuple[object, int] = (None, 0)  # see `_owed`
 
   @contextlib.contextmanager
   def probing(self) -> Iterator[None]:
@@ -191,8 +192,8 @@ class AdmissionControl:
     if not kv_line:
       return self._load_lines(request, now, queues)
     reserved = self.wait.reserved_ahead(rid, now)
-    owed = self.owed_pages(queues.running)
-    left = self.pages_left(estimate, queues.running) - reserved
+    owed = self._owed(queues)
+    left = self.page_pool.num_free_pages - owed - self.num_backlog_pages - estimate - reserved
     if left + self.wait.slack_pages(rid, now) < self.watermark_pages:
       held = f" + {reserved} reserved for rejected requests ahead of it" if reserved else ""
       prompts = f" + {owed} for the rest of running prompts" if owed else ""
@@ -260,6 +261,15 @@ class AdmissionControl:
                                  num_waiting - bound + 1, now, queues,
                                  self.estimate_pages(request)), rid, "queue_full")
     return Admission(OK, "admitted", None, rid)
+
+  def _owed(self, queues: Queues) -> int:
+    """`owed_pages` of the running requests, once per state of the queues: the retry
+    audit asks every refusal it watches at every step."""
+    key, owed = self._owed_by_key
+    if key != queues.key or key is None:
+      owed = self.owed_pages(queues.running)
+      self._owed_by_key = (queues.key, owed)
+    return owed
 
   def owed_pages(self, running: Sequence[Request]) -> int:
     """Pages the `running` requests still prefilling will take for the rest of their

@@ -11,7 +11,11 @@ says whether the hint ran early (under 1: a client that honours it is refused ag
 or late (over 1: it idles while the server has room).
 
 Needed waits are measured at step boundaries, so a wait shorter than a step reads as
-one step. A refusal still inadmissible `HORIZON` x its hint later ends unresolved
+one step; and a refusal is asked again only once `RESOLUTION` of its hint has passed
+since it was last asked, so a needed wait reads at most that share of the hint late
+(a 30 s hint is asked every 0.3 s, not at each of a thousand steps: under a storm the
+audit watches hundreds of refusals, and asking each at every step cost the server
+more time than its steps). A refusal still inadmissible `HORIZON` x its hint later ends unresolved
 (`needed_s` None: its hint was more than that many times too short). At most
 `capacity` refusals are open at once; later ones are counted (`skipped`), not audited,
 so the audit's cost per step stays bounded under a storm.
@@ -28,6 +32,7 @@ from kvpage.request import Request
 
 HORIZON = 4.0  # a refusal is watched until this many times its hint (at least MIN_WATCH_S)
 MIN_WATCH_S = 1.0
+RESOLUTION = 0.01  # a refusal is asked again once this share of its hint has passed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,7 @@ class _Open:
   reason: str
   hint_s: float
   refused_at: float
+  asked_at: float  # when it was last asked
 
 
 class RetryAudit:
@@ -72,7 +78,7 @@ class RetryAudit:
     if len(self._open) >= self.capacity:
       self.skipped += 1
       return
-    self._open.append(_Open(request, answer.cause, answer.retry_after, now))
+    self._open.append(_Open(request, answer.cause, answer.retry_after, now, now))
 
   def probe(self, now: float, would_admit: Callable[[Request], bool]) -> None:
     """At a step's end: each open refusal that would now be admitted, or whose watch
@@ -80,6 +86,10 @@ class RetryAudit:
     still = []
     for entry in self._open:
       waited = now - entry.refused_at
+      if now - entry.asked_at < RESOLUTION * entry.hint_s:
+        still.append(entry)
+        continue
+      entry.asked_at = now
       if waited > 0 and would_admit(entry.request):
         self._done.append(Audited(entry.reason, entry.hint_s, waited, waited))
       elif waited > max(HORIZON * entry.hint_s, MIN_WATCH_S):

@@ -215,6 +215,13 @@ class Scheduler:
                        f"max_ttft_slowdown {self.config.max_ttft_slowdown:g} x this "
                        f"request's {1e3 * idle:.1f} ms on an idle engine"))
       limit, name = min(limits)
+      # A holder back at its place's due was forecast to meet the line at its turn; it
+      # cannot aim at the part of a step it lands in, so it is held to the line a step
+      # later.
+      step = wait.step_tolerance(request.request_id, now, queues)
+      if step:
+        limit += step
+        name += f" + a step ({1e3 * step:.1f} ms) for a place in line back on time"
       what = f"forecast time to first token {forecast_s:.3f} s exceeds {name}"
     if forecast_s <= limit:
       return answer

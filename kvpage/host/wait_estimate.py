@@ -31,17 +31,23 @@ rejections all hear the same short hint and return together to room for one.
 
 With `retry_reservations` on, the ledger is a line of places that admission keeps,
 whichever line refused (the cache, the waiting queue, a forecast-TTFT line, a
-request's own deadline). Each request is checked against the places ranked ahead of
-it (all of them, for a newcomer): their pages below the KV line, one waiting-queue
-place each, and their requests queued ahead of it in the forecast-TTFT check. So room
-that opens before a promised client returns is not taken by whoever arrives first.
+request's own deadline). Each request is checked against the places ahead of it, those
+told to come back before it (all of them, for a newcomer): their pages below the KV
+line and one waiting-queue place each. So room that opens before a promised client
+returns is not taken by whoever arrives first. (A newcomer's forecast first token does
+not wait for the places: their holders, back later, queue behind it.)
 A refusal's hint is its turn (`retry_after_line`): the forecast with it joining last,
-each place ahead joining at its own turn, at the latest of its pages fitting, a queue
-place and its first token within the line; plus `LINE_MARGIN` of that and a step, the
-jitter stretching only the step (stretched hints compound down the line).
+each place ranked ahead joining at its own turn, at the latest of its pages fitting, a
+queue place and its first token within the line; plus `LINE_MARGIN` of that and a
+step, the jitter stretching only the step (stretched hints compound down the line).
+Places are ahead of one another by when they are due, not by rank: a later refusal
+told to come back sooner was forecast behind the earlier one's turn, so its room is
+there at its due, and the earlier one's is there at its own.
 A burst of refusals of one shape reads its turns off one forecast (`BURST` places).
 The price is room idle until its holder returns, as long as the hint is late. Off
-(the default), the ledger shapes hints only.
+(the default), the ledger shapes hints only. A place whose turn lies past
+`max_retry_after_s` is told the cap but stays due at its turn: back early, it is told
+the rest.
 
 Requests rejected since the last forecast join its end without a new run: each holds
 its estimate from now until its forecast end. A hint is never shorter than one step
@@ -166,22 +172,30 @@ class WaitEstimator:
     return self.ahead(request_id, now).pages
 
   def ahead(self, request_id: str, now: float) -> Ahead:
-    """The places held for refused requests ranked ahead of `request_id` (all, if it
-    holds none); none with reservations off. Lapsed entries leave the line first. A
-    bisection over the line's prefix sums, kept per version of the line: the audit
-    asks this of every refusal it watches at every step."""
+    """The places held for refused requests ahead of `request_id`: those due before
+    its own (all, if it holds none); none with reservations off. Lapsed entries leave
+    the line first. A place is ahead of another when it was told to come back first
+    (by rank, between two told the same instant): each place's turn was forecast
+    behind every place whose turn came before, so the room it waits for is there at
+    its due, whoever of those behind it in rank is told to come back later. A
+    bisection over the line's prefix sums, kept per version of the line (a new place
+    due last extends them): the audit asks this of every refusal it watches at every
+    step, and every refusal asks it once."""
     self._lapse(now)
     if not self.reserve or not self.reservations:
       return Ahead(0, 0, 0.0)
     if self._prefix[0] != self._line_version:
-      ranks, pages, turns = [], [0], [0.0]
-      for held in self.reservations.values():  # in rank order: a renewal keeps its slot
-        ranks.append(held.rank)
-        pages.append(pages[-1] + held.pages)
-        turns.append(max(turns[-1], held.turn))
-      self._prefix = (self._line_version, ranks, pages, turns)
-    _, ranks, pages, turns = self._prefix
-    count = bisect.bisect_left(ranks, self._rank_of(request_id))
+      order = sorted((held.due, held.rank, held.pages, held.turn)
+                     for held in self.reservations.values())
+      keys, pages, turns = [], [0], [0.0]
+      for due, rank, held_pages, turn in order:
+        keys.append((due, rank))
+        pages.append(pages[-1] + held_pages)
+        turns.append(max(turns[-1], turn))
+      self._prefix = (self._line_version, keys, pages, turns)
+    _, keys, pages, turns = self._prefix
+    held = self.reservations.get(request_id)
+    count = len(keys) if held is None else bisect.bisect_left(keys, (held.due, held.rank))
     return Ahead(count, pages[count], turns[count])
 
   def num_held(self, now: float) -> int:
@@ -313,16 +327,18 @@ class WaitEstimator:
       turn = max(0.0, turn - (now - made))
     seconds = None if timeline is None else (
         self.max_s if turn is None else turn * (1.0 + LINE_MARGIN))
-    hint = self._hint(seconds, timeline, jitter_margin=True)
+    hint = self._hint(seconds, timeline, jitter_margin=True, cap=False)
     slack = 0
     if timeline is not None and turn is not None and timeline.seconds_per_step > 0:
       steps = math.ceil((hint - turn) / timeline.seconds_per_step)
-      slack = cdiv(steps * max(1, len(queues.running)), self.page_pool.page_size)
+      slack = min(estimate, cdiv(steps * max(1, len(queues.running)), self.page_pool.page_size))
     self._hold(request, rank, estimate, hint, now, turn=now + (hint if turn is None else turn),
                slack_pages=slack)
     if burst is not None:  # the line changed by this place alone: the next may use it
       burst.version = self._line_version
-    return hint
+    # Past the cap, the client hears the cap, but its place stays due at its turn: back
+    # early, it is told the rest.
+    return min(self.max_s, hint)
 
   def _burst_turn(self, job: forecast.Job, queues: forecast.Queues, now: float,
                   line: tuple) -> "_Burst":
@@ -341,6 +357,24 @@ class WaitEstimator:
       self._burst = burst
     burst.taken += 1
     return burst
+
+  def step_tolerance(self, request_id: str, now: float, queues: forecast.Queues) -> float:
+    """For the holder of a place back on time (from its due to its lapse), the priced
+    seconds of the steps in flight (else of one decode step of the running batch):
+    where in a step a client lands, no hint can say, so a forecast-TTFT line takes it
+    that much late. 0 for anyone else, and before steps are priced."""
+    held = self.reservations.get(request_id) if self.reserve else None
+    if held is None or not held.due <= now <= held.expires or not self.priced():
+      return 0.0
+    decode_costs, prefill_costs = self.costs.coefficients(False), self.costs.coefficients(True)
+    assert decode_costs is not None and prefill_costs is not None
+    seconds = sum(iterations * forecast.step_seconds(
+        prefill_costs if tokens != num_sequences else decode_costs, tokens, context)
+                  for _, tokens, context, num_sequences, iterations in queues.in_flight)
+    if not seconds:
+      context = sum(request.num_computed_tokens for request in queues.running)
+      seconds = forecast.step_seconds(decode_costs, len(queues.running), context)
+    return seconds
 
   def slack_pages(self, request_id: str, now: float) -> int:
     """Pages below the watermark the holder of a place may be admitted into, once its
@@ -427,7 +461,10 @@ class WaitEstimator:
     if key == queues.key and timeline is not None:
       return timeline, made, taken
     self._lapse(now)
-    self._forecast = (queues.key, now, self._run(queues, now), [])
+    # With the line held, its places join behind every admitted request, so they change
+    # no admitted request's forecast (an ETA), and its cost does not grow with the line.
+    self._forecast = (queues.key, now, self._run(queues, now, rank=-1 if self.reserve else None),
+                      [])
     return self._forecast[2], now, self._forecast[3]
 
   def _newcomer_timeline(self, request: Request, estimate: int, queues: forecast.Queues,
@@ -441,13 +478,17 @@ class WaitEstimator:
       self._newcomers = (queues.key, by_shape)
     rid = request.request_id
     self._lapse(now)
+    # With the line held, a newcomer's first step and token do not wait for its places:
+    # their pages are kept at the KV line, and their holders, back later, queue behind
+    # it. Without, the ledger's entries due before its first step come first.
     shape = (request.num_prompt_tokens, request.sampling.max_tokens, request.num_sampled,
-             request.num_computed_tokens, estimate, rid if rid in self.reservations else None,
-             self._line_version if self.reserve else None)
+             request.num_computed_tokens, estimate,
+             None if self.reserve or rid not in self.reservations else rid)
     if shape not in by_shape:
       newcomer = dataclasses.replace(forecast.job_of(request, estimate), request_id=NEWCOMER,
                                      waiting=True)
-      by_shape[shape] = (now, self._run(queues, now, newcomer, rid, rank=self._rank_of(rid)))
+      by_shape[shape] = (now, self._run(queues, now, newcomer, rid,
+                                        rank=-1 if self.reserve else self._rank_of(rid)))
     made, timeline = by_shape[shape]
     return timeline, made
 
@@ -457,10 +498,9 @@ class WaitEstimator:
     """The forecast of `queues` from `now` (`newcomer`, if given, queued last, its
     reservation not counted twice); None before both kinds of step are priced.
 
-    With reservations on and a `rank`, only the places ranked ahead of it count; a
-    `newcomer` then stands behind all of those, as admission has it (they are in its
-    way from now), and `line_jobs` (refused requests) join the line last, at their
-    `due`."""
+    With reservations on and a `rank`, only the places ranked ahead of it count, each
+    joining at its turn (`rank=-1`: none of the line), and `line_jobs` (refused
+    requests) join the line last, at their `due`."""
     decode_costs, prefill_costs = self.costs.coefficients(False), self.costs.coefficients(True)
     if decode_costs is None or prefill_costs is None:
       return None
@@ -474,15 +514,12 @@ class WaitEstimator:
       queue.append(newcomer)
     live = {request.request_id for request in (*queues.running, *queues.swapped,
                                                *queues.waiting)} | {newcomer_id}
-    line = [(rid, held) for rid, held in sorted(self.reservations.items(),
-                                                key=lambda kv: kv[1].rank)
-            if rid not in live and (rank is None or held.rank < rank)]
+    line = [] if rank == -1 else [  # in rank order: a renewal keeps its slot
+        (rid, held) for rid, held in self.reservations.items()
+        if rid not in live and (rank is None or held.rank < rank)]
     reserved = [forecast.Job(rid, held.num_prompt_tokens, held.max_tokens, 0, 0, held.pages,
                              due=max(0.0, (held.turn if self.reserve else held.due) - now))
                 for rid, held in line]
-    if self.reserve and newcomer is not None:
-      queue[-1:-1] = [dataclasses.replace(job, due=0.0, waiting=True) for job in reserved]
-      reserved = []
     reserved.extend(line_jobs)
     rules = forecast.Rules(decode_costs=decode_costs, prefill_costs=prefill_costs,
                            **self.rules)
@@ -494,7 +531,7 @@ class WaitEstimator:
                         start_s=ends - now, until=None if newcomer is None else NEWCOMER)
 
   def _hint(self, seconds: float | None, timeline: forecast.Timeline | None, *,
-            jitter_margin: bool = False) -> float:
+            jitter_margin: bool = False, cap: bool = True) -> float:
     """`seconds` plus a step's margin, stretched by the jitter (with `jitter_margin`,
     only the margin is: a place in line is spread from those beside it by its turn
     already, and stretching the whole of a long wait would leave its room idle)."""
@@ -505,7 +542,7 @@ class WaitEstimator:
       hint = seconds + timeline.seconds_per_step * spread
     else:
       hint = (seconds + timeline.seconds_per_step) * spread
-    return min(self.max_s, hint)
+    return min(self.max_s, hint) if cap else hint
 
   def _next_rank(self) -> int:
     self._num_ranked += 1
@@ -519,12 +556,21 @@ class WaitEstimator:
   def _hold(self, request: Request, rank: int, pages: int, hint: float, now: float, *,
             turn: float = 0.0, slack_pages: int = 0) -> None:
     """Enters `request` in the line (or renews its place), due at `now + hint`."""
+    held = Reservation(rank, pages, now + hint, now + hint + self.grace_s,
+                       request.num_prompt_tokens, request.sampling.max_tokens, slack_pages,
+                       turn)
+    version, keys, sums, turns = self._prefix
+    appended = (request.request_id not in self.reservations
+                and (not keys or keys[-1] < (held.due, rank)))
     if rank == self._num_ranked:
       self._next_rank()
-    self.reservations[request.request_id] = Reservation(
-        rank, pages, now + hint, now + hint + self.grace_s, request.num_prompt_tokens,
-        request.sampling.max_tokens, slack_pages, turn)
+    self.reservations[request.request_id] = held
     self._line_version += 1
+    if appended and version == self._line_version - 1:  # due last: the sums grow by one
+      keys.append((held.due, rank))
+      sums.append(sums[-1] + pages)
+      turns.append(max(turns[-1], turn))
+      self._prefix = (self._line_version, keys, sums, turns)
     self._next_lapse = min(self._next_lapse, now + hint + self.grace_s)
 
   def _lapse(self, now: float) -> None:
