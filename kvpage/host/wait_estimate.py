@@ -80,6 +80,7 @@ NEWCOMER = "\x00newcomer"  # the forecast's name for a request asking to join th
 # back too early is refused again, one back late only idles its room.
 LINE_MARGIN = 0.25
 BURST = 32  # places one forecast prices for a burst of new refusals of one shape
+BURST_TTL_S = 0.1  # the longest new refusals read their turns off one forecast
 
 
 @dataclasses.dataclass
@@ -110,9 +111,9 @@ class Ahead(NamedTuple):
 class _Burst:
   """One forecast with `BURST` places of one shape behind the line (`_burst_turn`)."""
 
-  version: int  # the line it was made for (advanced by the places it hands out)
   shape: tuple
   made: float  # when
+  surprises: int  # the line's changes the forecast did not foresee, when it was made
   timeline: forecast.Timeline | None
   taken: int = 0  # places handed out
 
@@ -145,6 +146,7 @@ class WaitEstimator:
     self._prefix: tuple = (None, [], [0], [0.0])  # see `ahead`
     self._next_lapse = math.inf  # no place lapses before this
     self._burst: _Burst | None = None  # the last burst forecast (`_burst_turn`)
+    self._surprises = 0  # places refused again or lapsed: what a burst did not foresee
     self._slot_promises: list[float] = []  # when each 429'd client comes back
     # The last forecast: its key, the time it was made, its timeline, and what was
     # rejected since ((until when, pages), in seconds from the time it was made).
@@ -334,8 +336,6 @@ class WaitEstimator:
       slack = min(estimate, cdiv(steps * max(1, len(queues.running)), self.page_pool.page_size))
     self._hold(request, rank, estimate, hint, now, turn=now + (hint if turn is None else turn),
                slack_pages=slack)
-    if burst is not None:  # the line changed by this place alone: the next may use it
-      burst.version = self._line_version
     # Past the cap, the client hears the cap, but its place stays due at its turn: back
     # early, it is told the rest.
     return min(self.max_s, hint)
@@ -345,15 +345,18 @@ class WaitEstimator:
     """The forecast a new refusal of `job`'s shape reads its turn off, its place there
     taken (`NEWCOMER` + the index). One forecast prices `BURST` such places joining
     behind the whole line, and the next refusals of the same shape take them in turn
-    while nothing else changes (no step, no other change to the line): a storm of
-    refusals costs one forecast per step, not one each."""
-    shape = (job.prefill, job.samples_left, job.computed, job.estimate, line, queues.key)
+    for up to `BURST_TTL_S`, whatever steps run and holders are admitted meanwhile:
+    those were in the forecast already, and its turns are read from when it was made.
+    A change it did not foresee (a holder refused again, a place lapsed) ends it. A
+    forecast runs every place in line, so one per step was most of the engine's time
+    under a storm of a thousand places."""
+    shape = (job.prefill, job.samples_left, job.computed, job.estimate, line)
     burst = self._burst
-    if (burst is None or burst.version != self._line_version or burst.shape != shape
-        or burst.taken == BURST):
+    if (burst is None or burst.shape != shape or burst.taken == BURST
+        or now - burst.made > BURST_TTL_S or burst.surprises != self._surprises):
       places = [dataclasses.replace(job, request_id=f"{NEWCOMER}{index}")
                 for index in range(BURST)]
-      burst = _Burst(self._line_version, shape, now, self._run(queues, now, line_jobs=places))
+      burst = _Burst(shape, now, self._surprises, self._run(queues, now, line_jobs=places))
       self._burst = burst
     burst.taken += 1
     return burst
@@ -559,6 +562,8 @@ class WaitEstimator:
     held = Reservation(rank, pages, now + hint, now + hint + self.grace_s,
                        request.num_prompt_tokens, request.sampling.max_tokens, slack_pages,
                        turn)
+    if request.request_id in self.reservations:  # refused again: told a new due
+      self._surprises += 1
     version, keys, sums, turns = self._prefix
     appended = (request.request_id not in self.reservations
                 and (not keys or keys[-1] < (held.due, rank)))
@@ -581,5 +586,6 @@ class WaitEstimator:
       del self.reservations[rid]
     if lapsed:
       self._line_version += 1
+      self._surprises += 1
     self._next_lapse = min((held.expires for held in self.reservations.values()),
                            default=math.inf)
