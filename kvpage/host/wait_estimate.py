@@ -333,7 +333,11 @@ class WaitEstimator:
     slack = 0
     if timeline is not None and turn is not None and timeline.seconds_per_step > 0:
       steps = math.ceil((hint - turn) / timeline.seconds_per_step)
-      slack = min(estimate, cdiv(steps * max(1, len(queues.running)), self.page_pool.page_size))
+      # What the running requests grow into while it comes back (the forecast had it
+      # admitted at its turn, and their growth then dipping under the line, as growth
+      # does), but never more than half the room the line keeps for growth.
+      slack = min(int(self.watermark_pages // 2),
+                  cdiv(steps * max(1, len(queues.running)), self.page_pool.page_size))
     self._hold(request, rank, estimate, hint, now, turn=now + (hint if turn is None else turn),
                slack_pages=slack)
     # Past the cap, the client hears the cap, but its place stays due at its turn: back
