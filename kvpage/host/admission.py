@@ -193,7 +193,7 @@ class AdmissionControl:
       return self._load_lines(request, now, queues)
     reserved = self.wait.reserved_ahead(rid, now)
     owed = self._owed(queues)
-    left = self.page_pool.num_free_pages - owed - self.num_backlog_pages - estimate - reserved
+    left = self.pages_left(estimate, owed=owed) - reserved
     if left + self.wait.slack_pages(rid, now) < self.watermark_pages:
       held = f" + {reserved} reserved for rejected requests ahead of it" if reserved else ""
       prompts = f" + {owed} for the rest of running prompts" if owed else ""
@@ -277,12 +277,14 @@ class AdmissionControl:
     page_size = self.page_pool.page_size
     return sum(forecast.job_of(request).owed_pages(page_size) for request in running)
 
-  def pages_left(self, estimate: int, running: Sequence[Request] = ()) -> int:
-    """Free pages left after the rest of the `running` prompts, the admitted backlog
-    and a request of `estimate` pages (before any reservation: see
-    `WaitEstimator.reserved_ahead`)."""
-    return (self.page_pool.num_free_pages - self.owed_pages(running) - self.num_backlog_pages
-            - estimate)
+  def pages_left(self, estimate: int, running: Sequence[Request] = (), *,
+                 owed: int | None = None) -> int:
+    """Free pages left after the rest of the `running` prompts (or `owed` pages, when
+    counted already), the admitted backlog and a request of `estimate` pages (before
+    any reservation: see `WaitEstimator.reserved_ahead`)."""
+    if owed is None:
+      owed = self.owed_pages(running)
+    return self.page_pool.num_free_pages - owed - self.num_backlog_pages - estimate
 
   def admissible(self, request: Request, num_waiting: int, now: float = 0.0,
                  running: Sequence[Request] = ()) -> bool:

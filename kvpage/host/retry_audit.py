@@ -15,10 +15,10 @@ one step; and a refusal is asked again only once `RESOLUTION` of its hint has pa
 since it was last asked, so a needed wait reads at most that share of the hint late
 (a 30 s hint is asked every 0.3 s, not at each of a thousand steps: under a storm the
 audit watches hundreds of refusals, and asking each at every step cost the server
-more time than its steps). A refusal still inadmissible `HORIZON` x its hint later ends unresolved
-(`needed_s` None: its hint was more than that many times too short). At most
-`capacity` refusals are open at once; later ones are counted (`skipped`), not audited,
-so the audit's cost per step stays bounded under a storm.
+more time than its steps). A refusal still inadmissible `HORIZON` x its hint later
+ends unresolved (`needed_s` None: its hint was more than that many times too short).
+At most `capacity` refusals are open at once; later ones are counted (`skipped`), not
+audited, so the audit's cost per step stays bounded under a storm.
 
 Pure Python: never imports jax.
 """
