@@ -15,7 +15,8 @@ compiled and warmed before any clock), holds every line a refused client can mee
     429 `wait_deadline`.
 
 The 1x rate is the throughput with everything at once (`--at_once_requests` offered
-together to the same server with every line off: served / wall time). At each load in
+together to the same server with every line off, running as many at once as its pool
+holds whole, so that it does not thrash in preemptions: served / wall time). At each load in
 `--loads`, `--overload_s` seconds of Poisson arrivals run twice: plain clients, then
 clients with a deadline. The clients
 are `benchmarks.load_client`'s: streamed completions of `--prompt_len` random token
@@ -35,9 +36,9 @@ Three figures per load and rejection reason, each with the issue's bar:
     exactly, as the share of ratios at most 2 (the 2.0 bucket's edge). A refusal the
     audit could not watch (`server.retry_audit` were open) is counted as skipped.
   * **ETA** (at least 80% within a factor of 2): of the admitted requests told they
-    wait (a status chunk in `queueing` state, asked for with `include_status` and sent
-    every `--status_interval_s`), the share whose first token came within a factor of
-    2 of the first status's `eta_s`, both from that status's arrival.
+    wait (a status chunk in `queueing` state, asked for with `include_status`: sent at
+    admission, then every `--status_interval_s`), the share whose first token came
+    within a factor of 2 of the first status's `eta_s`, both from that status's arrival.
 
 Prints a table and writes JSON (`--out`) with the premises: model config, dtype,
 lengths, pool, lines, arrival process, rates, this machine and versions.

@@ -218,8 +218,16 @@ def run_benchmark(settings: Settings, config: Any,
       min_requests=1, max_requests=settings.max_requests, seeds=1, lines=[],
       capacity="at_once", low_load=0.0, timeout_s=settings.timeout_s,
       warmup_requests=WARMUP_REQUESTS), vocab)
+  # As many running at once as the pool holds whole: offered everything at once, a
+  # server holding no line otherwise admits past its pool and thrashes in preemptions,
+  # and its throughput swung 3.5-14 req/s between runs of the same command.
+  page_size = config.cache.page_size
+  fits = (settings.num_pages - 1) // -(-(settings.prompt_len + settings.output_len)
+                                       // page_size)
   no_line = [*flags_, *(f"--config.{key if '.' in key else 'scheduler.' + key}={value}"
                         for key, value in rules.NO_LINE.items())]
+  if fits < config.scheduler.max_num_seqs:
+    no_line.append(f"--config.scheduler.max_num_seqs={max(1, fits)}")
   with rules.started(no_line, server_cores) as server:  # the 1x rate: no line refuses
     loads.warm(server)
     at_once = loads.run(server, rate=math.inf, count=settings.at_once_requests)

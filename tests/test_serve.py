@@ -376,7 +376,10 @@ def test_waiting_streams_carry_queueing_status(tiny_server):
   assert chunks["statuses"] and not chunks["comments"]
   states = [status["state"] for status in chunks["statuses"]]
   assert states[0] == "queueing" and states[-1] == "running" and states.count("running") == 1
-  assert chunks["statuses"][0]["position"] >= 1 and chunks["statuses"][0]["waited_s"] >= 0
+  # The first comes at admission, not a status interval (0.1 s) later: its ETA is the
+  # forecast at admission.
+  assert chunks["statuses"][0]["position"] >= 1 and chunks["statuses"][0]["waited_s"] < 0.05
+  assert chunks["statuses"][0]["eta_s"] > 0
   # Behind seconds of work, a 50 ms deadline fails: refused at the door with a hint when
   # the forecast already says so, else ended in the queue (an error event, when streamed).
   for status, headers, text in hurried:

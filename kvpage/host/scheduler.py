@@ -120,8 +120,13 @@ class Scheduler:
     # sequences, iterations), priced for the wait estimator when their samples return.
     self._launched: dict[int, tuple[float, int, int, int, int]] = {}
     self._last_update = float("-inf")
-    # The last priced launch: (step, seconds from its launch, or the previous step's
-    # return when launches overlap, to its samples). What `steps.jsonl` records.
+    # Whether the scheduler has had work since the last step came back: the host's time
+    # between that return and the next launch (outputs handed over, arrivals answered,
+    # the batch scheduled) is then part of what the next step costs.
+    self._busy_since_update = False
+    # The last priced launch: (step, seconds from the previous step's return, when the
+    # scheduler was busy since or launches overlap, else from its launch, to its
+    # samples). What `steps.jsonl` records.
     self.last_step_time: tuple[int, float] | None = None
 
   # Arrivals and departures.
@@ -309,6 +314,8 @@ class Scheduler:
         if not out.preempted:
           self._resume_swapped(out)
     out.scheduled = list(self._scheduled.values())
+    if not out.scheduled:  # the wait until the next launch is idle, not the host's work
+      self._busy_since_update = False
     out.num_batched_tokens = self.config.max_num_batched_tokens - self._budget
     self._finished = []
     multi_step.extend_decodes(
@@ -328,12 +335,16 @@ class Scheduler:
       iterations = max(seq.num_steps for seq in out.scheduled)
       context = sum(seq.start_position + len(seq.token_ids) + (seq.num_steps - 1) / 2
                     for seq in out.scheduled)
-      self._launched[out.step] = (self.clock(), out.num_batched_tokens, round(context),
+      start = self._last_update if self._busy_since_update else self.clock()
+      self._launched[out.step] = (start, out.num_batched_tokens, round(context),
                                   len(out.scheduled), iterations)
 
   def _price_step(self, output: SchedulerOutput) -> None:
-    """A step's samples are back: its time, from its launch (or, when launches overlap,
-    the previous step's return) to now, teaches the wait estimator what steps cost."""
+    """A step's samples are back: its time, from the previous step's return (when the
+    scheduler was busy since, or launches overlap; else from its launch) to now, teaches
+    the wait estimator what steps cost. The host's work between steps counts: under a
+    storm of refusals it was a fifth of the tiny server's time, and a forecast of
+    device time alone told clients to come back too early."""
     launched = self._launched.pop(output.step, None)
     if launched is None:
       return
@@ -390,6 +401,7 @@ class Scheduler:
       self._name_computed_pages(output)
     if self.audit is not None and self.audit.num_open:
       self.audit.probe(self.clock(), self.would_admit)
+    self._busy_since_update = bool(self.requests)
     return finished
 
   def _name_computed_pages(self, output: SchedulerOutput) -> None:

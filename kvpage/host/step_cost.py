@@ -22,8 +22,10 @@ to come back early is refused again. A fixed mean step time, the obvious alterna
 off by the ratio of the two kinds: about 7x on the simulated 13B A100 (0.28 s for a
 2,048-token prefill step, 0.04 s to decode a batch of 66).
 
-The samples are the scheduler's own view of a step (schedule to samples back), so the
-model includes host overhead and, on a real device, whatever the roofline misses.
+The samples are the scheduler's own view of a step (from the previous step's return,
+while it has work, to samples back), so the model includes host overhead (the outputs
+handed over, arrivals answered, the batch scheduled) and, on a real device, whatever
+the roofline misses.
 A sample far above what the fit predicts (a compilation: seconds, where steps take
 milliseconds) is left out. A fit is kept until an eighth of the samples it was fit on
 have been replaced by new steps (every step while there are fewer than 16): refitting

@@ -23,7 +23,8 @@ carries its status every `status_interval_s`: by default as an SSE comment line,
 stream; with `"stream_options": {"include_status": true}`, as a chunk with empty
 `choices` and a `status` object (`state` queueing | running | preempted, `position`,
 `waited_s`, `eta_s`: the forecast seconds until its first token, or its next once
-preempted). The ETA and the retry hints come from one estimator.
+preempted), the first at once when the request is admitted to wait (its ETA is the
+forecast at admission). The ETA and the retry hints come from one estimator.
 
 **Deadlines.** `max_queue_wait_s` (the body field, else the `x-kvpage-max-wait-s`
 header, else the server's default) bounds the wait for the first step: a request
@@ -329,7 +330,8 @@ class Gateway:
         include_stop_str=gen.include_stop_str_in_output,
         skip_special_tokens=gen.skip_special_tokens,
         own_stop_token_ids=tuple(i for i in gen.stop_token_ids if i not in eos),
-        parent_id=ids[0] if i else None) for i, child in enumerate(ids)]
+        parent_id=ids[0] if i else None,
+        status_at_admission=gen.stream and gen.include_status) for i, child in enumerate(ids)]
     try:
       answer, streams = await self.loop.submit_all(submissions)
     except EngineStoppedError as error:
@@ -574,6 +576,11 @@ class Gateway:
       first = self._chunk(gen, stream, "", (), None, index=index)
       first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
       yield _sse(first)
+    admitted = stream.admitted
+    if (gen.include_status and admitted is not None and admitted.state != "running"
+        and not stream.has_pending):  # it waits: told so at once, with its ETA
+      told_waiting = True
+      yield _sse(self._status_chunk(gen, stream, admitted))
     while True:
       # While waiting, a status line whenever nothing came for an interval.
       delta = await stream.next(None if state == "running" else self.config.status_interval_s)

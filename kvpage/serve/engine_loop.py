@@ -56,6 +56,7 @@ class Submission:
   skip_special_tokens: bool = True
   own_stop_token_ids: tuple[int, ...] = ()  # the client's (not EOS): named as stop_reason
   parent_id: str | None = None  # a sibling of the same prompt (`n > 1`), live, if any
+  status_at_admission: bool = False  # where it stands once admitted (`Stream.admitted`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +109,9 @@ class Stream:
     self.created = int(time.time())  # the responses' `created` (the gateway sets arrival)
     self.response_id = self.request_id  # the response's `id` (n > 1: the choices share one)
     self.done = loop.create_future()  # resolved with the last delta
+    # Where the request stood the moment it was admitted, when its submission asked:
+    # what a waiting stream is told first, so its ETA is the forecast at admission.
+    self.admitted: QueueStatus | None = None
     self._loop = loop
     self._pending: collections.deque[Delta] = collections.deque()
     self._waiter: asyncio.Future | None = None
@@ -125,6 +129,11 @@ class Stream:
         if timer is not None:
           timer.cancel()
     return self._pending.popleft() if self._pending else None
+
+  @property
+  def has_pending(self) -> bool:
+    """Whether a delta was delivered and not yet taken."""
+    return bool(self._pending)
 
   def delivered(self) -> list[Delta]:
     """Every delta delivered and not yet taken, taken now."""
@@ -324,6 +333,8 @@ class EngineLoop:
     stops = StopStrings(submission.stop, include=submission.include_stop_str)
     self._tracked[request.request_id] = _Tracked(request, stream, detokenizer, stops,
                                                  submission.own_stop_token_ids)
+    if submission.status_at_admission:
+      stream.admitted = self._status(request.request_id)
     return answer, stream
 
   def _abort(self, request_id: str, reason: str) -> None:
