@@ -68,6 +68,8 @@ _OVERLOAD_S = flags.DEFINE_float("overload_s", 20.0, "Seconds of arrivals per ru
 _MAX_REQUESTS = flags.DEFINE_integer("max_requests", 1500, "The most requests of a run.")
 _AT_ONCE = flags.DEFINE_integer("at_once_requests", 128, "Requests offered at once for the "
                                 "1x rate.")
+_ONE_X = flags.DEFINE_float("one_x_per_s", 0.0, "The 1x rate, req/s, instead of measuring it "
+                            "(to repeat a run at the same rates); 0 = measure it.")
 _DEADLINE_S = flags.DEFINE_float("deadline_s", 1.0, "max_queue_wait_s of the deadline runs' "
                                  "clients; 0 = no deadline runs.")
 _MAX_RETRIES = flags.DEFINE_integer("max_retries", 30, "Retries of a refused request.")
@@ -86,6 +88,7 @@ def settings_from_flags() -> Settings:
   values = dict(prompt_len=_PROMPT_LEN.value, output_len=_OUTPUT_LEN.value,
                 loads=_LOADS.value, overload_s=_OVERLOAD_S.value,
                 max_requests=_MAX_REQUESTS.value, at_once_requests=_AT_ONCE.value,
+                one_x_per_s=_ONE_X.value,
                 num_pages=_NUM_PAGES.value, max_waiting=_MAX_WAITING.value)
   if _SMOKE.value:
     values.update(SMOKE)
@@ -104,6 +107,9 @@ def settings_from_flags() -> Settings:
                       status_interval_s=_STATUS_INTERVAL_S.value, retry_audit=_AUDIT.value,
                       timeout_s=_TIMEOUT_S.value, pin=_PIN.value,
                       compilation_cache=_COMPILATION_CACHE.value, smoke=_SMOKE.value, **values)
+  if not 0 <= settings.one_x_per_s < math.inf:
+    raise cli.UsageError(f"--one_x_per_s must be >= 0 (0 = measure it), got "
+                         f"{settings.one_x_per_s}")
   for name in ("overload_s", "status_interval_s", "timeout_s"):
     if not 0 < getattr(settings, name) < math.inf:
       raise cli.UsageError(f"--{name} must be positive and finite, got "

@@ -39,6 +39,7 @@ class Settings:
   overload_s: float
   max_requests: int
   at_once_requests: int
+  one_x_per_s: float  # the 1x rate given (0: measured, at once)
   num_pages: int
   max_waiting: int
   deadline_s: float
@@ -228,13 +229,18 @@ def run_benchmark(settings: Settings, config: Any,
                         for key, value in rules.NO_LINE.items())]
   if fits < config.scheduler.max_num_seqs:
     no_line.append(f"--config.scheduler.max_num_seqs={max(1, fits)}")
-  with rules.started(no_line, server_cores) as server:  # the 1x rate: no line refuses
-    loads.warm(server)
-    at_once = loads.run(server, rate=math.inf, count=settings.at_once_requests)
-  one_x = at_once["served"] / at_once["wall_s"]
-  progress(f"1x: {one_x:.2f} req/s ({at_once['served']} of {settings.at_once_requests} "
-           f"offered at once to a server holding no line, served in "
-           f"{at_once['wall_s']:.2f} s)")
+  at_once: dict[str, Any] | None = None
+  if settings.one_x_per_s:  # given: a run repeated at the same rates
+    one_x = settings.one_x_per_s
+    progress(f"1x: {one_x:.2f} req/s (given)")
+  else:
+    with rules.started(no_line, server_cores) as server:  # the 1x rate: no line refuses
+      loads.warm(server)
+      at_once = loads.run(server, rate=math.inf, count=settings.at_once_requests)
+    one_x = at_once["served"] / at_once["wall_s"]
+    progress(f"1x: {one_x:.2f} req/s ({at_once['served']} of {settings.at_once_requests} "
+             f"offered at once to a server holding no line, served in "
+             f"{at_once['wall_s']:.2f} s)")
   runs = []
   with rules.started(flags_, server_cores) as server:
     progress(f"server on {server.url}: {server.num_pages:,} KV pages; {server.admission}")
@@ -252,7 +258,8 @@ def run_benchmark(settings: Settings, config: Any,
     admission = server.admission
   return dict(
       benchmark="retry_http", smoke=settings.smoke,
-      measured=dict(one_x_per_s=one_x, at_once=at_once), runs=runs,
+      measured=dict(one_x_per_s=one_x, one_x_given=bool(settings.one_x_per_s),
+                    at_once=at_once), runs=runs,
       bars=dict(first_retry_admission=FIRST_RETRY_BAR, median_hint_over_needed=RATIO_BAR,
                 eta_factor=ETA_FACTOR, eta_share=ETA_BAR),
       premises=dict(

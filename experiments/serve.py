@@ -192,6 +192,13 @@ def main(argv: list[str]) -> None:
   line = cli.hold_serving_line(config, watermark_given=cli.flag_or_override_given(
       "watermark", "config.scheduler.watermark"))
   cli.apply_retry_policy(config)
+  if _REPLICAS.value and config.scheduler.retry_reservations:
+    # A refusal holds its place (and pages) on the replica that refused it, but the
+    # fleet's door asks the next replica at once: the place would hold pages for a
+    # request served elsewhere, until it lapsed.
+    raise ValueError("retry_reservations holds a refused request's place on one engine; "
+                     "a fleet's door tries the other replicas at once, so it is not "
+                     "supported with --replicas")
   tokenizer, eos_ids = None, ()
   if checkpoint:
     tokenizer = hf.load_tokenizer(checkpoint)

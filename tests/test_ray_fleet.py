@@ -18,6 +18,8 @@ import json
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -31,8 +33,9 @@ from serve_utils import ServerProcess, make_served_checkpoint, metric
 # 2,000 tokens to generate: seconds of simulated steps, a replica's one running request.
 LONG = {"prompt": [5, 6, 7], "max_tokens": 2000, "ignore_eos": True}
 SMALL = {"prompt": [5, 6, 7], "max_tokens": 2}
-FLEET_FLAGS = ("--executor=sim", "--replicas=2", "--ray_cpus=2", "--router=round_robin",
-               "--max_num_seqs=1", "--config.scheduler.max_waiting=1",
+NUM_REPLICAS = 2
+FLEET_FLAGS = ("--executor=sim", f"--replicas={NUM_REPLICAS}", "--ray_cpus=2",
+               "--router=round_robin", "--max_num_seqs=1", "--config.scheduler.max_waiting=1",
                "--drain_timeout_s=30")  # (a loaded machine's steps are slower than paced)
 
 
@@ -79,14 +82,23 @@ def _metrics(server: ServerProcess) -> str:
   return httpx.get(f"{server.url}/metrics", timeout=30).text
 
 
+def _reporting(text: str) -> set[str]:
+  """The replicas whose own series are in the fleet's metrics."""
+  return {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
+          if line.startswith("kvpage:num_requests_running{")}
+
+
 def _idle(server: ServerProcess, timeout_s: float = 30) -> str:
-  """The metrics once no replica runs or holds anything (fails after `timeout_s`)."""
+  """The metrics once every replica reports its own series and none runs or holds
+  anything (fails after `timeout_s`). A replica whose scrape failed is left out of the
+  fleet's metrics, so a sum alone would read its pages as free."""
   deadline = time.monotonic() + timeout_s
   while True:
     text = _metrics(server)
     live = sum(metric(text, f"kvpage:num_requests_{state}")
                for state in ("running", "waiting", "swapped"))
-    if live == 0 and metric(text, "kvpage:kv_cache_usage_perc") == 0:
+    if (len(_reporting(text)) == NUM_REPLICAS == metric(text, "kvpage:fleet_replicas_live")
+        and live == 0 and metric(text, "kvpage:kv_cache_usage_perc") == 0):
       return text
     assert time.monotonic() < deadline, f"the fleet is not idle:\n{text}"
     time.sleep(0.2)
@@ -147,11 +159,8 @@ def test_openai_client_streaming_equals_whole(fleet):
   assert tokens == whole.choices[0].model_extra["token_ids"] and finish == "length"
   health = httpx.get(f"{fleet.url}/health", timeout=10).json()
   assert health == {"status": "ok", "replicas_live": 2, "replicas_target": 2}
-  text = _idle(fleet)
+  text = _idle(fleet)  # (every replica's series, labelled with its replica)
   assert metric(text, "kvpage:router_decisions_total", outcome="admitted_first") >= 2
-  replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines()
-              if line.startswith("kvpage:num_requests_running{")}
-  assert len(replicas) == 2, "every replica's series, labelled with its replica"
 
 
 def test_refused_by_one_replica_served_by_the_other_then_pushed_back(fleet):
@@ -196,7 +205,8 @@ def test_refused_by_one_replica_served_by_the_other_then_pushed_back(fleet):
 
 def test_disconnect_storm_leaks_no_page(fleet):
   """Clients that go away mid-stream and mid-wait: every replica ends idle."""
-  def gone(index: int) -> None:
+  def gone(index: int) -> bool:
+    """Whether its stream was admitted (and then cut)."""
     body = {"prompt": [7 + index % 50] * (20 + index), "max_tokens": 400, "stream": True,
             "ignore_eos": True}
     try:
@@ -204,11 +214,15 @@ def test_disconnect_storm_leaks_no_page(fleet):
             client.stream("POST", f"{fleet.url}/v1/completions", json=body) as response):
         for _ in response.iter_lines():
           break  # the first line, then away
+        return response.status_code == 200
     except httpx.HTTPError:
-      pass
+      return False
 
   with concurrent.futures.ThreadPoolExecutor(16) as pool:
-    list(pool.map(gone, range(64)))
+    admitted = sum(pool.map(gone, range(64)))
+  # An idle fleet admits the first request each replica meets: at least those were cut
+  # mid-stream (the rest were refused: each replica runs one and holds one).
+  assert admitted >= NUM_REPLICAS
   _idle(fleet)
   assert _post(fleet, SMALL).status_code == 200
 
@@ -371,3 +385,20 @@ def test_request_router_ranks_by_policy_honours_exclude_and_pins():
   ray_fleet.view("test-adapter").sent("a", routing.RouteRequest(16 * 50, 0))
   replicas[1].routing_stats = {"headroom_pages": 60, "page_size": 16, "taken_at": 2.0}
   assert choose(route=request) == [["b"], ["a"], ["c"]]  # a: 100 - 50 sent < 60: b (no prefix now)
+
+
+def test_a_fleet_refuses_retry_reservations(cache_dir):
+  """A place in line is held on the replica that refused, but the door asks the next
+  replica at once: the place would hold pages for a request served elsewhere. One
+  `error:` line, exit 2, before any cluster starts."""
+  done = subprocess.run(
+      [sys.executable, "-m", "experiments.serve", "--host=127.0.0.1", "--port=0",
+       f"--compilation_cache={cache_dir}", *FLEET_FLAGS,
+       "--config.server.retry_reservations=true"],
+      cwd=pathlib.Path(__file__).resolve().parents[1], capture_output=True, text=True,
+      timeout=300)
+  assert done.returncode == 2 and done.stdout == "", done.stdout
+  lines = done.stderr.strip().splitlines()
+  assert lines == ["error: retry_reservations holds a refused request's place on one "
+                   "engine; a fleet's door tries the other replicas at once, so it is not "
+                   "supported with --replicas"], lines
