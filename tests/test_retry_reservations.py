@@ -123,3 +123,25 @@ def test_a_turn_past_the_cap_is_told_the_cap_and_back_early_the_rest():
   again = sched.add_request(req("client", 20, 12))
   assert again.status == 503
   assert sched.admission.wait.reservations["client"].due >= due - 1e-9
+
+
+def test_a_newcomer_only_the_ttft_line_refuses_waits_for_the_queue_not_the_line():
+  """Its pages fit past every place, so its hint is when the queue it met has drained
+  enough, not when the line's last place is due (100 s away here)."""
+  sched, clock = scheduler(max_forecast_ttft_s=0.03, max_num_seqs=2)
+  fill_then_free(sched, clock)
+  for _ in range(3):  # priced steps (0.01 s each): the forecast runs
+    sched.update(sched.schedule(), {"hold": 2, "gone": 2})
+    clock.now += 0.01
+  assert sched.add_request(req("client", 20, 12)).status == 503  # a place in line...
+  wait = sched.admission.wait
+  held = wait.reservations["client"]
+  held.turn, held.due = clock.now + 100.0, clock.now + 100.0  # ...due far away
+  held.expires = held.due + 1.0
+  wait._line_version += 1
+  sched.abort("hold")  # room for everyone now
+  queued = [sched.add_request(req(f"queued{i}", 4, 2)) for i in range(6)]
+  answer = sched.add_request(req("newcomer", 4, 2))
+  assert queued[0].admitted  # (later ones meet the forecast-TTFT line too)
+  assert answer.cause == "wait_forecast", answer
+  assert 0 < answer.retry_after < 1.0

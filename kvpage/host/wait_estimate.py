@@ -294,15 +294,15 @@ class WaitEstimator:
     deadline by `seconds_over`: the queue ahead of it drains a second per second, so
     then the wait would fit. (With reservations on: `retry_after_line`, the deadline
     `limit_s` on its first step, or with `first_token` on its first token.)"""
-    if self.reserve:
+    if self.reserve:  # (every other line took it: its room is there, past the places)
       return self.retry_after_line(request, estimate, now, queues, limit_s=limit_s,
-                                   first_token=first_token)
+                                   first_token=first_token, behind_line=False)
     timeline, _ = self._newcomer_timeline(request, estimate, queues, now)
     return self._hint(seconds_over, timeline)
 
   def retry_after_line(self, request: Request, estimate: int, now: float,
                        queues: forecast.Queues, *, limit_s: float | None = None,
-                       first_token: bool = False) -> float:
+                       first_token: bool = False, behind_line: bool = True) -> float:
     """The hint of a refusal with reservations on, whichever line refused: when the
     request's turn comes behind everything admitted and every place held ahead of it,
     and every line would take it then. It enters the line (or keeps its rank there)
@@ -315,16 +315,24 @@ class WaitEstimator:
     (`max_waiting`: as many ahead of it have left the queue); and with `limit_s`, its
     forecast first step (or with `first_token`, first token) would come within that
     many seconds of its return. The hint is its turn plus `LINE_MARGIN` of it and a
-    step: each holder ahead returns late by its own margin, at most this one's."""
+    step: each holder ahead returns late by its own margin, at most this one's.
+
+    Without `behind_line` (a newcomer refused only by its forecast first token or its
+    deadline: its pages fit past every place, and a newcomer's first token does not
+    wait for the places), its turn is when the queue it met has drained enough, in a
+    forecast without the places: behind the line's latest turn, it was told 10-30x the
+    wait it needed."""
     rid = request.request_id
     rank = self._rank_of(rid)
-    joins = max(0.0, self.ahead(rid, now).latest_turn - now)  # not before those ahead
+    held = rid in self.reservations
+    joins = 0.0 if not (behind_line or held) else max(  # not before those ahead
+        0.0, self.ahead(rid, now).latest_turn - now)
     job = dataclasses.replace(forecast.job_of(request, estimate), due=joins, waiting=True)
     burst = None
-    if rid in self.reservations:  # back too early, or refused by another line: its own run
+    if held:  # back too early, or refused by another line: its own run
       timeline, made, name = self._run(queues, now, rank=rank, line_jobs=[job]), now, rid
     else:
-      burst = self._burst_turn(job, queues, now, (limit_s, first_token))
+      burst = self._burst_turn(job, queues, now, (limit_s, first_token, behind_line))
       timeline, made, name = burst.timeline, burst.made, f"{NEWCOMER}{burst.taken - 1}"
     turn = None if timeline is None else self._turn(timeline, name, limit_s, first_token)
     if turn is not None:
@@ -355,14 +363,19 @@ class WaitEstimator:
     those were in the forecast already, and its turns are read from when it was made.
     A change it did not foresee (a holder refused again, a place lapsed) ends it. A
     forecast runs every place in line, so one per step was most of the engine's time
-    under a storm of a thousand places."""
+    under a storm of a thousand places. `line` is what it is held to: (the limit on its
+    first step or token, whether on its first token, whether it stands behind the
+    line: else the forecast runs without the places, see `retry_after_line`)."""
     shape = (job.prefill, job.samples_left, job.computed, job.estimate, line)
     burst = self._burst
     if (burst is None or burst.shape != shape or burst.taken == BURST
         or now - burst.made > BURST_TTL_S or burst.surprises != self._surprises):
       places = [dataclasses.replace(job, request_id=f"{NEWCOMER}{index}")
                 for index in range(BURST)]
-      burst = _Burst(shape, now, self._surprises, self._run(queues, now, line_jobs=places))
+      behind_line = line[-1]
+      burst = _Burst(shape, now, self._surprises,
+                     self._run(queues, now, rank=None if behind_line else -1,
+                               line_jobs=places))
       self._burst = burst
     burst.taken += 1
     return burst
