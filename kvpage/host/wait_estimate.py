@@ -35,7 +35,9 @@ request's own deadline). Each request is checked against the places ahead of it,
 told to come back before it (all of them, for a newcomer): their pages below the KV
 line and one waiting-queue place each. So room that opens before a promised client
 returns is not taken by whoever arrives first. (A newcomer's forecast first token does
-not wait for the places: their holders, back later, queue behind it.)
+not wait for the places: their holders, back later, queue behind it. So a newcomer that
+only the forecast-TTFT line or its own deadline refused is told when the queue it met
+has drained, not the line's latest turn.)
 A refusal's hint is its turn (`retry_after_line`): the forecast with it joining last,
 each place ranked ahead joining at its own turn, at the latest of its pages fitting, a
 queue place and its first token within the line; plus `LINE_MARGIN` of that and a
