@@ -145,3 +145,33 @@ def test_a_newcomer_only_the_ttft_line_refuses_waits_for_the_queue_not_the_line(
   assert queued[0].admitted  # (later ones meet the forecast-TTFT line too)
   assert answer.cause == "wait_forecast", answer
   assert 0 < answer.retry_after < 1.0
+
+
+def test_a_holder_only_the_ttft_line_refuses_is_not_queued_behind_ghost_places():
+  """A holder back on time, its pages there, refused by the forecast-TTFT line alone:
+  its hint is when the queue drains, not behind places ranked ahead of it whose
+  holders never came back (due already, not yet lapsed)."""
+  sched, clock = scheduler(max_num_seqs=2, retry_grace_s=60.0)
+  fill_then_free(sched, clock)
+  for _ in range(3):  # priced steps (0.01 s each): the forecast runs
+    sched.update(sched.schedule(), {"hold": 2, "gone": 2})
+    clock.now += 0.01
+  sched.abort("hold")  # room for every place below
+  for index in range(4):
+    assert sched.add_request(req(f"queued{index}", 4, 2)).admitted
+  sched.admission.config.max_waiting = 4  # the waiting queue is full now
+  wait = sched.admission.wait
+  names = [f"ghost{i}" for i in range(6)] + ["client"]
+  for name in names:  # refused in this order (429: the queue), two pages each
+    assert sched.add_request(req(name, 4, 4)).cause == "queue_full"
+  for name in names:  # all due now: nobody came back but the client
+    held = wait.reservations[name]
+    held.turn = held.due = clock.now
+    held.expires = clock.now + 60.0
+  wait._line_version += 1
+  sched.admission.config.max_waiting = 0  # (room in the queue for the client now)
+  sched.config.max_forecast_ttft_s = 0.03  # and a forecast-TTFT line it is past
+  answer = sched.add_request(req("client", 4, 4))
+  assert answer.cause == "wait_forecast", answer
+  # Six ghosts ahead of it, two at a time, five steps each, would take 0.15 s and more.
+  assert 0 < answer.retry_after < 0.1, answer

@@ -319,20 +319,23 @@ class WaitEstimator:
     many seconds of its return. The hint is its turn plus `LINE_MARGIN` of it and a
     step: each holder ahead returns late by its own margin, at most this one's.
 
-    Without `behind_line` (a newcomer refused only by its forecast first token or its
-    deadline: its pages fit past every place, and a newcomer's first token does not
-    wait for the places), its turn is when the queue it met has drained enough, in a
-    forecast without the places: behind the line's latest turn, it was told 10-30x the
-    wait it needed."""
+    Without `behind_line` (a request refused only by its forecast first token or its
+    deadline, checked once every other line took it: its pages fit past the places
+    ahead of it, and that forecast does not wait for the places), its turn is when the
+    queue it met has drained enough, in a forecast without the places. Behind the
+    line's latest turn, a newcomer was told 10-30x the wait it needed; and a holder
+    back on time was forecast behind the places ranked ahead of it, those whose
+    holders never came back included."""
     rid = request.request_id
     rank = self._rank_of(rid)
     held = rid in self.reservations
-    joins = 0.0 if not (behind_line or held) else max(  # not before those ahead
+    joins = 0.0 if not behind_line else max(  # not before those ahead
         0.0, self.ahead(rid, now).latest_turn - now)
     job = dataclasses.replace(forecast.job_of(request, estimate), due=joins, waiting=True)
     burst = None
     if held:  # back too early, or refused by another line: its own run
-      timeline, made, name = self._run(queues, now, rank=rank, line_jobs=[job]), now, rid
+      timeline = self._run(queues, now, rank=rank if behind_line else -1, line_jobs=[job])
+      made, name = now, rid
     else:
       burst = self._burst_turn(job, queues, now, (limit_s, first_token, behind_line))
       timeline, made, name = burst.timeline, burst.made, f"{NEWCOMER}{burst.taken - 1}"
