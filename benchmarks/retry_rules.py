@@ -17,6 +17,7 @@ from benchmarks import load_client
 from benchmarks import overload_rules as rules
 from benchmarks.load_client import LoadConfig, RequestRecord
 from kvpage import premises
+from kvpage.units import cdiv
 
 SMOKE = dict(prompt_len=32, output_len=16, loads=["10"], overload_s=3.0, at_once_requests=24,
              max_requests=150, num_pages=48, max_waiting=4)
@@ -223,8 +224,8 @@ def run_benchmark(settings: Settings, config: Any,
   # server holding no line otherwise admits past its pool and thrashes in preemptions,
   # and its throughput swung 3.5-14 req/s between runs of the same command.
   page_size = config.cache.page_size
-  fits = (settings.num_pages - 1) // -(-(settings.prompt_len + settings.output_len)
-                                       // page_size)
+  fits = (settings.num_pages - 1) // cdiv(settings.prompt_len + settings.output_len,
+                                          page_size)
   no_line = [*flags_, *(f"--config.{key if '.' in key else 'scheduler.' + key}={value}"
                         for key, value in rules.NO_LINE.items())]
   if fits < config.scheduler.max_num_seqs:
