@@ -96,8 +96,8 @@ def test_gqa_checkpoint_with_fewer_kv_heads_than_devices(tmp_path):
   prompts = [[(5 * i + j) % 380 + 1 for j in range(n)] for i, n in enumerate([13, 30, 7])]
   outputs = {tp: _greedy(_engine(model, params, tp, prefill_policy="chunked", chunk_size=16),
                          prompts)
-             for tp in (1, 2, 4)}
-  assert outputs[2] == outputs[1] and outputs[4] == outputs[1]
+             for tp in (1, 4)}  # (an even split of its heads: the test above)
+  assert outputs[4] == outputs[1]
 
 
 @four_devices
