@@ -3,8 +3,11 @@ sets: a 503'd request holds its pages, so a newcomer cannot take them and the cl
 returning with its id is admitted; a reservation lapses after its grace period; a
 client refused on return by another line (its own deadline) keeps its place."""
 
+import pytest
+
 from configs import scheduler as scheduler_lib
 from kvpage.host.scheduler import Scheduler
+from kvpage.host.wait_estimate import FIRST_TOKEN_PLACE_LATE_S, LINE_MARGIN
 from kvpage.request import Request, SamplingParams
 
 
@@ -175,3 +178,82 @@ def test_a_holder_only_the_ttft_line_refuses_is_not_queued_behind_ghost_places()
   assert answer.cause == "wait_forecast", answer
   # Six ghosts ahead of it, two at a time, five steps each, would take 0.15 s and more.
   assert 0 < answer.retry_after < 0.1, answer
+
+
+def test_a_burst_the_ttft_line_refuses_is_told_turns_one_behind_the_other():
+  """Newcomers refused by the forecast-TTFT line alone are told turns one behind the
+  other (they do not come back together to room for a few), behind no place whose
+  holder is late. Their hints add no step: the line takes a holder back on time a
+  step late."""
+  sched, clock = scheduler(max_forecast_ttft_s=0.03, max_num_seqs=2, retry_jitter=0.0)
+  fill_then_free(sched, clock)
+  for _ in range(3):  # priced steps (0.01 s each): the forecast runs
+    sched.update(sched.schedule(), {"hold": 2, "gone": 2})
+    clock.now += 0.01
+  sched.abort("hold")  # room for everyone's pages
+  queued = [sched.add_request(req(f"queued{i}", 4, 2)) for i in range(4)]
+  assert queued[0].admitted  # (later ones meet the forecast-TTFT line too)
+  wait = sched.admission.wait
+  answers = {}
+  for name in ("first", "second"):
+    answers[name] = sched.add_request(req(name, 4, 2))
+    assert answers[name].cause == "wait_forecast", answers[name]
+  first, second = (wait.reservations[name] for name in ("first", "second"))
+  assert first.first_token_line and second.first_token_line
+  assert second.turn > first.turn  # behind the first one's prefill
+  for held, answer in ((first, answers["first"]), (second, answers["second"])):
+    turn = held.turn - clock.now
+    assert answer.retry_after == pytest.approx(turn * (1 + LINE_MARGIN))  # no step added
+  # A newcomer refused now would stand behind all four ("queued2" and "queued3" were
+  # refused too); once none came back by its hint and margin, behind none of them.
+  assert len(wait._first_token_places("third", clock.now)) == 4
+  clock.now = max(held.due + max(held.due - held.turn, FIRST_TOKEN_PLACE_LATE_S)
+                  for held in wait.reservations.values()) + 1e-6
+  assert wait._first_token_places("third", clock.now) == []
+
+
+def test_a_holder_first_refused_for_pages_keeps_its_place_for_pages():
+  """Back with its pages there and refused by the forecast-TTFT line alone, a holder
+  refused for pages first keeps its place as one for pages: it holds back no one
+  checked against the TTFT line."""
+  sched, clock = scheduler(max_num_seqs=2, retry_grace_s=60.0)
+  fill_then_free(sched, clock)
+  for _ in range(3):  # priced steps (0.01 s each): the forecast runs
+    sched.update(sched.schedule(), {"hold": 2, "gone": 2})
+    clock.now += 0.01
+  assert sched.add_request(req("client", 20, 12)).status == 503  # for pages
+  due = sched.admission.wait.reservations["client"].due
+  sched.abort("hold")  # its pages are there now
+  for index in range(4):
+    assert sched.add_request(req(f"queued{index}", 4, 2)).admitted
+  sched.config.max_forecast_ttft_s = 0.03  # a forecast-TTFT line it is past
+  clock.now = due  # back on time
+  answer = sched.add_request(req("client", 20, 12))
+  assert answer.cause == "wait_forecast", answer
+  held = sched.admission.wait.reservations["client"]
+  assert not held.first_token_line
+  assert held.due == due  # where it stood in line (told to come back a little later)
+  assert held.expires == pytest.approx(clock.now + answer.retry_after
+                                       + sched.admission.wait.grace_s)
+  assert sched.admission.wait._first_token_places("newcomer", clock.now) == []
+
+
+def test_a_turn_for_a_place_in_the_queue_adds_a_share_of_a_step_not_a_step():
+  """Refused because the waiting queue is full, a request's turn is when a step
+  launches and takes one of the waiting: often the rest of the step in flight. Its hint
+  adds half its turn or a quarter of a step, whichever is more, not a whole step."""
+  sched, clock = scheduler(max_num_seqs=2, max_waiting=4, retry_jitter=0.0)
+  fill_then_free(sched, clock)
+  for _ in range(3):  # priced steps (0.01 s each): the forecast runs
+    sched.update(sched.schedule(), {"hold": 2, "gone": 2})
+    clock.now += 0.01
+  sched.abort("hold")
+  for index in range(4):
+    assert sched.add_request(req(f"queued{index}", 4, 4)).admitted
+  answer = sched.add_request(req("client", 4, 4))
+  assert answer.cause == "queue_full", answer
+  turn = sched.admission.wait.reservations["client"].turn - clock.now
+  step = 0.01  # what every step here took
+  assert answer.retry_after == pytest.approx(turn + max(LINE_MARGIN * turn, step / 4),
+                                             rel=0.2)
+  assert answer.retry_after < turn + step

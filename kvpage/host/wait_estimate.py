@@ -37,7 +37,8 @@ line and one waiting-queue place each. So room that opens before a promised clie
 returns is not taken by whoever arrives first. (A newcomer's forecast first token does
 not wait for the places: their holders, back later, queue behind it. So a newcomer that
 only the forecast-TTFT line or its own deadline refused is told when the queue it met
-has drained, not the line's latest turn.)
+has drained, behind only the places those lines alone gave before it: not the line's
+latest turn.)
 A refusal's hint is its turn (`retry_after_line`): the forecast with it joining last,
 each place ranked ahead joining at its own turn, at the latest of its pages fitting, a
 queue place and its first token within the line; plus `LINE_MARGIN` of that and a
@@ -83,6 +84,13 @@ NEWCOMER = "\x00newcomer"  # the forecast's name for a request asking to join th
 # (benchmarks/retry_http), a quarter left the median hint just under the wait needed
 # and 72-79% of first retries admitted; a half, 81-88% with hints 1-1.25x the need.
 LINE_MARGIN = 0.5
+# A place only the forecast-TTFT line (or a deadline) refused stops holding back those
+# behind it this long after its due, or its margin if longer, when its holder is not
+# back: a client back on time arrives within milliseconds.
+FIRST_TOKEN_PLACE_LATE_S = 0.05
+# A turn that waits for a place in the waiting queue is told this share of a step at
+# least as its margin (see `retry_after_line`).
+QUEUE_STEP_SHARE = 0.25
 BURST = 32  # places one forecast prices for a burst of new refusals of one shape
 BURST_TTL_S = 0.1  # the longest new refusals read their turns off one forecast
 
@@ -93,7 +101,11 @@ class Reservation:
 
   rank: int  # order of its first rejection: who is ahead of whom
   pages: int  # its page estimate
-  due: float  # when it was told to come back
+  # When it was told to come back: where it stands in line. A holder refused on return
+  # by a forecast-TTFT line or its deadline alone (its pages there) keeps the due it
+  # had: due later, it fell behind every place due in between, and at 10x half of such
+  # holders were then refused for pages on their next return.
+  due: float
   expires: float  # when it leaves the line if it has not come back
   num_prompt_tokens: int  # what it will run, once admitted
   max_tokens: int
@@ -101,6 +113,9 @@ class Reservation:
   # that was there at its turn, taken since only by growth, still counts as its own.
   slack_pages: int = 0
   turn: float = 0.0  # when its turn was forecast to come (its hint, less the margins)
+  # Refused only by a forecast-TTFT line or its own deadline (its pages fit past the
+  # places ahead): a request checked against those lines queues behind it.
+  first_token_line: bool = False
 
 
 class Ahead(NamedTuple):
@@ -146,6 +161,7 @@ class WaitEstimator:
     self.grace_s = config.retry_grace_s
     self.costs = StepCostModel(config.step_cost_window)
     self.reservations: dict[str, Reservation] = {}  # the line, by request id
+    self._first_token_line: set[str] = set()  # ids of its places with `first_token_line`
     self._num_ranked = 0
     self._prefix: tuple = (None, [], [0], [0.0])  # see `ahead`
     self._next_lapse = math.inf  # no place lapses before this
@@ -251,7 +267,7 @@ class WaitEstimator:
     to come back before; a page reservation `request` holds is kept until then. (With
     reservations on: `retry_after_line`, `estimate` its page estimate.)"""
     if self.reserve:
-      return self.retry_after_line(request, estimate, now, queues)
+      return self.retry_after_line(request, estimate, now, queues, queue_line=True)
     while self._slot_promises and self._slot_promises[0] <= now:
       heapq.heappop(self._slot_promises)
     timeline, made, _ = self._timeline(queues, now)
@@ -304,7 +320,8 @@ class WaitEstimator:
 
   def retry_after_line(self, request: Request, estimate: int, now: float,
                        queues: forecast.Queues, *, limit_s: float | None = None,
-                       first_token: bool = False, behind_line: bool = True) -> float:
+                       first_token: bool = False, behind_line: bool = True,
+                       queue_line: bool = False) -> float:
     """The hint of a refusal with reservations on, whichever line refused: when the
     request's turn comes behind everything admitted and every place held ahead of it,
     and every line would take it then. It enters the line (or keeps its rank there)
@@ -321,30 +338,52 @@ class WaitEstimator:
 
     Without `behind_line` (a request refused only by its forecast first token or its
     deadline, checked once every other line took it: its pages fit past the places
-    ahead of it, and that forecast does not wait for the places), its turn is when the
-    queue it met has drained enough, in a forecast without the places. Behind the
-    line's latest turn, a newcomer was told 10-30x the wait it needed; and a holder
-    back on time was forecast behind the places ranked ahead of it, those whose
-    holders never came back included."""
+    ahead of it), its turn is when the queue it met has drained enough, behind only
+    the places ahead of it that those lines alone gave (`_first_token_places`).
+    Behind the line's latest turn, a newcomer was told 10-30x the wait it needed, and
+    a holder back on time was queued behind places whose holders never came back.
+    Such refusals come few at a time: each runs its own forecast (a burst's, with its
+    places joining at once, had the first one's prompt prefilled beside 31 others:
+    0.42 s told for 0.03 s needed). On the TTFT line, the hint adds no step (see the
+    comment below); a holder so refused keeps its due, where it stands in line. With
+    `queue_line` (refused for a place in the waiting queue alone), its margin is half
+    its turn or `QUEUE_STEP_SHARE` of a step, whichever is more."""
     rid = request.request_id
     rank = self._rank_of(rid)
     held = rid in self.reservations
-    joins = 0.0 if not behind_line else max(  # not before those ahead
-        0.0, self.ahead(rid, now).latest_turn - now)
+    places = [] if behind_line else self._first_token_places(rid, now)
+    joins = max(0.0, (self.ahead(rid, now).latest_turn - now) if behind_line  # not before
+                else max((place.due for place in places), default=0.0))  # those ahead
     job = dataclasses.replace(forecast.job_of(request, estimate), due=joins, waiting=True)
-    burst = None
-    if held:  # back too early, or refused by another line: its own run
-      timeline = self._run(queues, now, rank=rank if behind_line else -1, line_jobs=[job])
+    if held or not behind_line:  # back too early, refused by another line, or by its
+      # first token alone (few, and each stands behind the last: no burst): its own run
+      timeline = self._run(queues, now, rank=rank if behind_line else -1,
+                           line_jobs=[*places, job], until=None if behind_line else rid)
       made, name = now, rid
     else:
-      burst = self._burst_turn(job, queues, now, (limit_s, first_token, behind_line))
+      burst = self._burst_turn(job, queues, now, (limit_s, first_token))
       timeline, made, name = burst.timeline, burst.made, f"{NEWCOMER}{burst.taken - 1}"
     turn = None if timeline is None else self._turn(timeline, name, limit_s, first_token)
     if turn is not None:
       turn = max(0.0, turn - (now - made))
-    seconds = None if timeline is None else (
-        self.max_s if turn is None else turn * (1.0 + LINE_MARGIN))
-    hint = self._hint(seconds, timeline, jitter_margin=True, cap=False)
+    if turn is not None and first_token and not behind_line:
+      # The forecast-TTFT line takes the holder of a place back on time a step late
+      # (`step_tolerance`): the step's margin is there already, and only the share of
+      # the turn is stretched (a turn shorter than a step is common here: the line is
+      # met as the step in flight runs down).
+      hint = turn * (1.0 + LINE_MARGIN * self._spread())
+    elif turn is not None and queue_line and timeline is not None:
+      # Refused for a place in the waiting queue alone (its pages fit): a place opens
+      # when a step launches, so the turn is often the rest of the step in flight,
+      # priced to within a fraction of a step, and the place is the holder's until it
+      # is back (the line counts it for everyone after). A whole step on top told 5-40x
+      # the wait the audit found needed.
+      hint = turn + self._spread() * max(LINE_MARGIN * turn,
+                                         QUEUE_STEP_SHARE * timeline.seconds_per_step)
+    else:
+      seconds = None if timeline is None else (
+          self.max_s if turn is None else turn * (1.0 + LINE_MARGIN))
+      hint = self._hint(seconds, timeline, jitter_margin=True, cap=False)
     slack = 0
     if timeline is not None and turn is not None and timeline.seconds_per_step > 0:
       steps = math.ceil((hint - turn) / timeline.seconds_per_step)
@@ -353,8 +392,12 @@ class WaitEstimator:
       # does), but never more than half the room the line keeps for growth.
       slack = min(int(self.watermark_pages // 2),
                   cdiv(steps * max(1, len(queues.running)), self.page_pool.page_size))
+    # A place refused for pages first stays one (see `_first_token_places`).
+    first_token_line = not behind_line and (
+        not held or self.reservations[rid].first_token_line)
     self._hold(request, rank, estimate, hint, now, turn=now + (hint if turn is None else turn),
-               slack_pages=slack)
+               slack_pages=slack, first_token_line=first_token_line,
+               keep_due=held and not behind_line)
     # Past the cap, the client hears the cap, but its place stays due at its turn: back
     # early, it is told the rest.
     return min(self.max_s, hint)
@@ -369,18 +412,14 @@ class WaitEstimator:
     A change it did not foresee (a holder refused again, a place lapsed) ends it. A
     forecast runs every place in line, so one per step was most of the engine's time
     under a storm of a thousand places. `line` is what it is held to: (the limit on its
-    first step or token, whether on its first token, whether it stands behind the
-    line: else the forecast runs without the places, see `retry_after_line`)."""
+    first step or token, whether on its first token)."""
     shape = (job.prefill, job.samples_left, job.computed, job.estimate, line)
     burst = self._burst
     if (burst is None or burst.shape != shape or burst.taken == BURST
         or now - burst.made > BURST_TTL_S or burst.surprises != self._surprises):
       places = [dataclasses.replace(job, request_id=f"{NEWCOMER}{index}")
                 for index in range(BURST)]
-      behind_line = line[-1]
-      burst = _Burst(shape, now, self._surprises,
-                     self._run(queues, now, rank=None if behind_line else -1,
-                               line_jobs=places))
+      burst = _Burst(shape, now, self._surprises, self._run(queues, now, line_jobs=places))
       self._burst = burst
     burst.taken += 1
     return burst
@@ -521,13 +560,15 @@ class WaitEstimator:
 
   def _run(self, queues: forecast.Queues, now: float, newcomer: forecast.Job | None = None,
            newcomer_id: str = "", *, rank: int | None = None,
-           line_jobs: Sequence[forecast.Job] = ()) -> forecast.Timeline | None:
+           line_jobs: Sequence[forecast.Job] = (),
+           until: str | None = None) -> forecast.Timeline | None:
     """The forecast of `queues` from `now` (`newcomer`, if given, queued last, its
     reservation not counted twice); None before both kinds of step are priced.
 
     With reservations on and a `rank`, only the places ranked ahead of it count, each
     joining at its turn (`rank=-1`: none of the line), and `line_jobs` (refused
-    requests) join the line last, at their `due`."""
+    requests) join the line last, at their `due`. The forecast stops at the first token
+    of `newcomer`, or of the line job named `until`."""
     decode_costs, prefill_costs = self.costs.coefficients(False), self.costs.coefficients(True)
     if decode_costs is None or prefill_costs is None:
       return None
@@ -544,9 +585,7 @@ class WaitEstimator:
     line = [] if rank == -1 else [  # in rank order: a renewal keeps its slot
         (rid, held) for rid, held in self.reservations.items()
         if rid not in live and (rank is None or held.rank < rank)]
-    reserved = [forecast.Job(rid, held.num_prompt_tokens, held.max_tokens, 0, 0, held.pages,
-                             due=max(0.0, (held.turn if self.reserve else held.due) - now))
-                for rid, held in line]
+    reserved = [self._place_job(rid, held, now) for rid, held in line]
     reserved.extend(line_jobs)
     rules = forecast.Rules(decode_costs=decode_costs, prefill_costs=prefill_costs,
                            **self.rules)
@@ -555,14 +594,50 @@ class WaitEstimator:
       costs = prefill_costs if tokens != num_sequences else decode_costs
       ends = max(ends, start) + iterations * forecast.step_seconds(costs, tokens, context)
     return forecast.run(rules, pool.num_free_pages, running, queue, reserved,
-                        start_s=ends - now, until=None if newcomer is None else NEWCOMER)
+                        start_s=ends - now, until=NEWCOMER if newcomer is not None else until)
+
+  def _place_job(self, rid: str, held: Reservation, now: float) -> forecast.Job:
+    """A place in line as the forecast runs it: joining at its turn (at its due, with
+    reservations off)."""
+    return forecast.Job(rid, held.num_prompt_tokens, held.max_tokens, 0, 0, held.pages,
+                        due=max(0.0, (held.turn if self.reserve else held.due) - now))
+
+  def _first_token_places(self, request_id: str, now: float) -> list[forecast.Job]:
+    """The places ranked ahead of `request_id` (all, for a request holding none) whose
+    holders only a forecast-TTFT line or their own deadline refused, in rank order (at
+    most the last `BURST`), as the forecast runs them: a refusal by those lines alone
+    is told its turn behind them, so a burst of such refusals comes back one behind
+    the other, not together to room for a few. (The lines themselves do not wait for
+    these places: a check that did ran a forecast per arrival and per audited refusal,
+    and stalled the engine for seconds under a storm of deadlines.)
+
+    Only a place those lines gave a newcomer counts: a holder first refused for pages,
+    back with them there and refused by the TTFT line, keeps its place as one for
+    pages. Ahead by rank, not by due: such a holder stands ahead of every newcomer
+    refused since. A place whose holder is not back by its latest hint and its margin
+    (at least `FIRST_TOKEN_PLACE_LATE_S`) is left out: its client may have given up."""
+    if not self.reserve or not self._first_token_line:
+      return []
+    self._lapse(now)
+    own = self.reservations.get(request_id)
+    places = []
+    for rid in list(self._first_token_line):
+      held = self.reservations.get(rid)
+      if held is None or not held.first_token_line:  # admitted, lapsed or refused anew
+        self._first_token_line.discard(rid)
+        continue
+      told = held.expires - self.grace_s  # its latest hint's end (its due, unless kept)
+      if (rid != request_id and (own is None or held.rank < own.rank)
+          and now <= told + max(told - held.turn, FIRST_TOKEN_PLACE_LATE_S)):
+        places.append((held.rank, rid, held))
+    return [self._place_job(rid, held, now) for _, rid, held in sorted(places)[-BURST:]]
 
   def _hint(self, seconds: float | None, timeline: forecast.Timeline | None, *,
             jitter_margin: bool = False, cap: bool = True) -> float:
     """`seconds` plus a step's margin, stretched by the jitter (with `jitter_margin`,
     only the margin is: a place in line is spread from those beside it by its turn
     already, and stretching the whole of a long wait would leave its room idle)."""
-    spread = 1.0 + self.jitter * self._rng.random() if self.jitter else 1.0
+    spread = self._spread()
     if seconds is None or timeline is None:
       hint = self.default_s * spread
     elif jitter_margin:  # One step late rather than one early: an early client is refused.
@@ -570,6 +645,10 @@ class WaitEstimator:
     else:
       hint = (seconds + timeline.seconds_per_step) * spread
     return min(self.max_s, hint) if cap else hint
+
+  def _spread(self) -> float:
+    """A seeded factor in [1, 1 + retry_jitter): hints to a burst do not all end at once."""
+    return 1.0 + self.jitter * self._rng.random() if self.jitter else 1.0
 
   def _next_rank(self) -> int:
     self._num_ranked += 1
@@ -581,11 +660,19 @@ class WaitEstimator:
     return held.rank if held is not None else self._num_ranked
 
   def _hold(self, request: Request, rank: int, pages: int, hint: float, now: float, *,
-            turn: float = 0.0, slack_pages: int = 0) -> None:
-    """Enters `request` in the line (or renews its place), due at `now + hint`."""
-    held = Reservation(rank, pages, now + hint, now + hint + self.grace_s,
+            turn: float = 0.0, slack_pages: int = 0, first_token_line: bool = False,
+            keep_due: bool = False) -> None:
+    """Enters `request` in the line (or renews its place), due at `now + hint`; with
+    `keep_due`, a renewed place keeps its earlier due, where it stands in line."""
+    due = now + hint
+    previous = self.reservations.get(request.request_id)
+    if keep_due and previous is not None:
+      due = min(due, previous.due)
+    held = Reservation(rank, pages, due, now + hint + self.grace_s,
                        request.num_prompt_tokens, request.sampling.max_tokens, slack_pages,
-                       turn)
+                       turn, first_token_line)
+    if first_token_line:
+      self._first_token_line.add(request.request_id)
     if request.request_id in self.reservations:  # refused again: told a new due
       self._surprises += 1
     version, keys, sums, turns = self._prefix
