@@ -386,10 +386,11 @@ class WaitEstimator:
       hint = self._hint(seconds, timeline, jitter_margin=True, cap=False)
     slack = 0
     if timeline is not None and turn is not None and timeline.seconds_per_step > 0:
-      steps = math.ceil((hint - turn) / timeline.seconds_per_step)
       # What the running requests grow into while it comes back (the forecast had it
       # admitted at its turn, and their growth then dipping under the line, as growth
-      # does), but never more than half the room the line keeps for growth.
+      # does), but never more than half the room the line keeps for growth. Refused by
+      # a line on its first token alone, its pages were there already: from now.
+      steps = math.ceil((hint - (turn if behind_line else 0.0)) / timeline.seconds_per_step)
       slack = min(int(self.watermark_pages // 2),
                   cdiv(steps * max(1, len(queues.running)), self.page_pool.page_size))
     # A place refused for pages first stays one (see `_first_token_places`).
