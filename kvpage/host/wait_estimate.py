@@ -56,7 +56,9 @@ Requests rejected since the last forecast join its end without a new run: each h
 its estimate from now until its forecast end. A hint is never shorter than one step
 (nothing changes sooner), stretched by a seeded factor in [1, 1 + retry_jitter) when
 jitter is on, and capped at `max_retry_after_s`; without a single priced step yet it
-is `default_retry_after_s`. Raw seconds: rounding to whole seconds is the gateway's.
+is `default_retry_after_s`. (With the line held, a refusal by the forecast-TTFT line
+alone, or for a queue place alone, may be told less than a step: see
+`retry_after_line`.) Raw seconds: rounding to whole seconds is the gateway's.
 
 Pure Python: never imports jax.
 """
@@ -84,9 +86,9 @@ NEWCOMER = "\x00newcomer"  # the forecast's name for a request asking to join th
 # (benchmarks/retry_http), a quarter left the median hint just under the wait needed
 # and 72-79% of first retries admitted; a half, 81-88% with hints 1-1.25x the need.
 LINE_MARGIN = 0.5
-# A place only the forecast-TTFT line (or a deadline) refused stops holding back those
-# behind it this long after its due, or its margin if longer, when its holder is not
-# back: a client back on time arrives within milliseconds.
+# A place only the forecast-TTFT line (or a deadline) gave stops counting in the turns
+# of later such refusals this long after its hint, or its margin if longer, when its
+# holder is not back: a client back on time arrives within milliseconds.
 FIRST_TOKEN_PLACE_LATE_S = 0.05
 # A turn that waits for a place in the waiting queue is told this share of a step at
 # least as its margin (see `retry_after_line`).
@@ -113,8 +115,8 @@ class Reservation:
   # that was there at its turn, taken since only by growth, still counts as its own.
   slack_pages: int = 0
   turn: float = 0.0  # when its turn was forecast to come (its hint, less the margins)
-  # Refused only by a forecast-TTFT line or its own deadline (its pages fit past the
-  # places ahead): a request checked against those lines queues behind it.
+  # Given by a forecast-TTFT line or a deadline alone to a newcomer (its pages fit past
+  # the places ahead): a later refusal by those lines is told its turn behind it.
   first_token_line: bool = False
 
 
