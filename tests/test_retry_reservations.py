@@ -214,8 +214,8 @@ def test_a_burst_the_ttft_line_refuses_is_told_turns_one_behind_the_other():
 
 def test_a_holder_first_refused_for_pages_keeps_its_place_for_pages():
   """Back with its pages there and refused by the forecast-TTFT line alone, a holder
-  refused for pages first keeps its place as one for pages: it holds back no one
-  checked against the TTFT line."""
+  refused for pages first keeps its place, and its due, as one for pages: no later
+  refusal by the TTFT line is told its turn behind it."""
   sched, clock = scheduler(max_num_seqs=2, retry_grace_s=60.0)
   fill_then_free(sched, clock)
   for _ in range(3):  # priced steps (0.01 s each): the forecast runs

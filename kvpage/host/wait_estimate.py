@@ -163,7 +163,6 @@ class WaitEstimator:
     self.grace_s = config.retry_grace_s
     self.costs = StepCostModel(config.step_cost_window)
     self.reservations: dict[str, Reservation] = {}  # the line, by request id
-    self._first_token_line: set[str] = set()  # ids of its places with `first_token_line`
     self._num_ranked = 0
     self._prefix: tuple = (None, [], [0], [0.0])  # see `ahead`
     self._next_lapse = math.inf  # no place lapses before this
@@ -354,8 +353,10 @@ class WaitEstimator:
     rank = self._rank_of(rid)
     held = rid in self.reservations
     places = [] if behind_line else self._first_token_places(rid, now)
-    joins = max(0.0, (self.ahead(rid, now).latest_turn - now) if behind_line  # not before
-                else max((place.due for place in places), default=0.0))  # those ahead
+    if behind_line:  # not before those ahead
+      joins = max(0.0, self.ahead(rid, now).latest_turn - now)
+    else:
+      joins = max((place.due for place in places), default=0.0)
     job = dataclasses.replace(forecast.job_of(request, estimate), due=joins, waiting=True)
     if held or not behind_line:  # back too early, refused by another line, or by its
       # first token alone (few, and each stands behind the last: no burst): its own run
@@ -619,21 +620,18 @@ class WaitEstimator:
     pages. Ahead by rank, not by due: such a holder stands ahead of every newcomer
     refused since. A place whose holder is not back by its latest hint and its margin
     (at least `FIRST_TOKEN_PLACE_LATE_S`) is left out: its client may have given up."""
-    if not self.reserve or not self._first_token_line:
+    if not self.reserve:
       return []
     self._lapse(now)
     own = self.reservations.get(request_id)
     places = []
-    for rid in list(self._first_token_line):
-      held = self.reservations.get(rid)
-      if held is None or not held.first_token_line:  # admitted, lapsed or refused anew
-        self._first_token_line.discard(rid)
-        continue
+    for rid, held in self.reservations.items():  # (in rank order: see `_run`)
       told = held.expires - self.grace_s  # its latest hint's end (its due, unless kept)
-      if (rid != request_id and (own is None or held.rank < own.rank)
+      if (held.first_token_line and rid != request_id
+          and (own is None or held.rank < own.rank)
           and now <= told + max(told - held.turn, FIRST_TOKEN_PLACE_LATE_S)):
-        places.append((held.rank, rid, held))
-    return [self._place_job(rid, held, now) for _, rid, held in sorted(places)[-BURST:]]
+        places.append(self._place_job(rid, held, now))
+    return places[-BURST:]
 
   def _hint(self, seconds: float | None, timeline: forecast.Timeline | None, *,
             jitter_margin: bool = False, cap: bool = True) -> float:
@@ -674,8 +672,6 @@ class WaitEstimator:
     held = Reservation(rank, pages, due, now + hint + self.grace_s,
                        request.num_prompt_tokens, request.sampling.max_tokens, slack_pages,
                        turn, first_token_line)
-    if first_token_line:
-      self._first_token_line.add(request.request_id)
     if request.request_id in self.reservations:  # refused again: told a new due
       self._surprises += 1
     version, keys, sums, turns = self._prefix
